@@ -1,0 +1,44 @@
+# SplitRL: `make demo` runs a local disaggregated training run, `make test` runs the tests.
+# The first target to run creates .venv and installs the project into it.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export JAX_PLATFORMS ?= cpu
+
+PROTOS := $(wildcard protos/splitrl/v1/*.proto)
+
+.PHONY: demo test test-fast lint protos bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/splitrl demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests -q -m 'not slow'
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# Regenerate the protobuf/gRPC modules (committed; tests/test_protos.py checks they are current).
+protos: $(STAMP)
+	$(BIN)/python -m splitrl.protogen
+
+bench: $(STAMP)
+	$(BIN)/python bench/sampler_throughput.py
+	$(BIN)/python bench/reward_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache runs

@@ -1,0 +1,1 @@
+"""SplitRL reward service."""

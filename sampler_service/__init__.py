@@ -1,0 +1,1 @@
+"""SplitRL sampler service."""

@@ -1,0 +1,452 @@
+"""One typed config for every service.
+
+A run is described by one YAML file; each service reads its own section. Dotted overrides on the
+command line (``trainer.steps=50``) are applied on top. Loading is strict, because a typo in a
+key must fail fast with the key's name instead of silently training with a default:
+
+- an unknown key raises ``ConfigError("unknown key 'trainer.stpes' (known: ...)")``;
+- a value of the wrong type raises ``ConfigError("trainer.steps: expected int, got str 'ten'")``;
+- ``__post_init__`` validators check ranges and choices and name the key they reject.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or holds a value out of range."""
+
+
+def _check_choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: expected one of {list(choices)}, got {value!r}")
+
+
+def _check_positive(key: str, value: float | int | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key}: expected a value {bound}, got {value!r}")
+
+
+@dataclass
+class ModelSection:
+    """Which checkpoint the policy starts from (a local Hugging Face directory or a hub name)."""
+
+    path: str = "models/tiny-arith"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    # Attention/logit chunking for the training path (tokens per chunk).
+    logprob_chunk_size: int = 256
+
+    def __post_init__(self):
+        _check_positive("model.logprob_chunk_size", self.logprob_chunk_size)
+
+
+@dataclass
+class MeshConfig:
+    """A device mesh for one service.
+
+    Either give ``axes`` explicitly (``{"fsdp": 4}``, ``{"data": 1, "tensor": 2}``) or leave the
+    size of one axis as -1 to take all selected devices. The devices are the slice
+    ``[offset, offset + fraction * n)`` of the host's devices, so a trainer and a sampler can
+    share one host the way MaxText splits trainer/sampler device fractions.
+    """
+
+    axes: dict[str, int] = field(default_factory=lambda: {"fsdp": -1})
+    device_fraction: float = 1.0
+    device_offset: int = 0
+    # How parameters are laid out on the mesh: "fsdp", "tp" (tensor parallel), "replicated".
+    strategy: Literal["fsdp", "tp", "replicated"] = "fsdp"
+
+    def __post_init__(self):
+        if not self.axes:
+            raise ConfigError("mesh.axes: expected at least one axis, got {}")
+        if sum(1 for v in self.axes.values() if v == -1) > 1:
+            raise ConfigError(f"mesh.axes: at most one axis may be -1, got {self.axes}")
+        for name, size in self.axes.items():
+            if size == 0 or size < -1:
+                raise ConfigError(f"mesh.axes.{name}: expected a size >= 1 or -1, got {size}")
+        if not 0.0 < self.device_fraction <= 1.0:
+            raise ConfigError(
+                f"mesh.device_fraction: expected 0 < fraction <= 1, got {self.device_fraction}"
+            )
+        _check_positive("mesh.device_offset", self.device_offset, allow_zero=True)
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling used for rollouts. Logprobs are reported under the temperature-scaled
+    distribution (before top-k/top-p truncation), which the trainer reproduces exactly."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_positive("sampling.temperature", self.temperature, allow_zero=True)
+        _check_positive("sampling.top_k", self.top_k, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"sampling.top_p: expected 0 < top_p <= 1, got {self.top_p}")
+        _check_positive("sampling.max_new_tokens", self.max_new_tokens)
+
+
+@dataclass
+class RewardFunctionConfig:
+    """One reward function: a built-in name or ``module:function``, its weight and options."""
+
+    name: str = "math_accuracy"
+    weight: float = 1.0
+    timeout_s: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFunctionConfig] = field(
+        default_factory=lambda: [RewardFunctionConfig()]
+    )
+    workers: int = 2
+    timeout_s: float = 5.0
+    max_items_per_request: int = 4096
+    max_request_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self):
+        _check_positive("reward.workers", self.workers)
+        _check_positive("reward.timeout_s", self.timeout_s)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective. Every GRPO-family variant is a combination of these switches."""
+
+    loss: Literal["grpo", "gspo", "gspo-token"] = "grpo"
+    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    advantage_std: Literal["group", "batch"] = "group"
+    aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"
+    ] = "token-mean"
+    constant_normalizer: int | None = None
+    # None = the loss's paper default (0.2/0.2 for grpo, 3e-4/4e-4 for gspo).
+    eps_low: float | None = None
+    eps_high: float | None = None
+    dual_clip: float | None = None
+    beta: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    tis_cap: float | None = 2.0
+    logratio_clamp: float = 20.0
+    filter_zero_variance: bool = False
+    entropy_coef: float = 0.0
+    group_size: int = 16
+
+    def __post_init__(self):
+        _check_positive("algorithm.beta", self.beta, allow_zero=True)
+        _check_positive("algorithm.group_size", self.group_size)
+        _check_positive("algorithm.eps_low", self.eps_low, allow_zero=True)
+        _check_positive("algorithm.eps_high", self.eps_high, allow_zero=True)
+        _check_positive("algorithm.tis_cap", self.tis_cap)
+        _check_positive("algorithm.logratio_clamp", self.logratio_clamp)
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ConfigError(f"algorithm.dual_clip: expected a value > 1, got {self.dual_clip}")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        _check_positive("optimizer.lr", self.lr)
+        _check_positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
+        _check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # default: <run_dir>/checkpoints
+    every: int = 10
+    keep: int = 2
+    async_save: bool = True
+
+    def __post_init__(self):
+        _check_positive("checkpoint.every", self.every)
+        _check_positive("checkpoint.keep", self.keep)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from. ``task`` is a built-in (arithmetic, gsm8k, math500) or
+    ``files`` for local json/jsonl/parquet files or a hub dataset name."""
+
+    task: str = "arithmetic"
+    path: str | None = None
+    split: str = "train"
+    eval_split: str | None = "test"
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+    system_prompt: str | None = None
+    chat_template: bool = False
+    shuffle_seed: int = 0
+    epochs: int | None = None
+    eval_size: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 100
+    prompts_per_step: int = 16
+    micro_batch_size: int | None = None
+    epochs_per_batch: int = 1
+    max_staleness: int = 0
+    push_every: int = 1
+    seed: int = 0
+    run_dir: str = "runs/latest"
+    eval_before: bool = True
+    eval_after: bool = True
+    log_every: int = 1
+    mesh: MeshConfig = field(default_factory=lambda: MeshConfig(axes={"fsdp": -1}))
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        _check_positive("trainer.steps", self.steps, allow_zero=True)
+        _check_positive("trainer.prompts_per_step", self.prompts_per_step)
+        _check_positive("trainer.micro_batch_size", self.micro_batch_size)
+        _check_positive("trainer.epochs_per_batch", self.epochs_per_batch)
+        _check_positive("trainer.max_staleness", self.max_staleness, allow_zero=True)
+        _check_positive("trainer.push_every", self.push_every)
+
+
+@dataclass
+class SamplerConfig:
+    max_batch_size: int = 256
+    max_sequence_length: int = 256
+    max_chunk_bytes: int = 4 * 1024 * 1024 - 64 * 1024
+    mesh: MeshConfig = field(
+        default_factory=lambda: MeshConfig(axes={"tensor": -1}, strategy="tp")
+    )
+
+    def __post_init__(self):
+        _check_positive("sampler.max_batch_size", self.max_batch_size)
+        _check_positive("sampler.max_sequence_length", self.max_sequence_length)
+        _check_positive("sampler.max_chunk_bytes", self.max_chunk_bytes)
+
+
+@dataclass
+class AuthConfig:
+    """Shared token for mutating RPCs: from ``token``, the env var ``token_env`` or ``token_file``."""
+
+    token: str | None = None
+    token_env: str = "SPLITRL_AUTH_TOKEN"
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+
+@dataclass
+class ServicesConfig:
+    """Addresses and membership. The same section drives the launcher, compose and Kubernetes."""
+
+    host: str = "127.0.0.1"
+    reward_address: str = "127.0.0.1:50100"
+    trainer_address: str = "127.0.0.1:50200"
+    sampler_port: int = 50300
+    # Static sampler addresses; and/or a DNS name that resolves to many (compose, headless svc).
+    sampler_addresses: list[str] = field(default_factory=list)
+    sampler_dns: str | None = None
+    num_samplers: int = 2
+    heartbeat_s: float = 2.0
+    sampler_timeout_s: float = 10.0
+    metrics_port: int | None = None
+    auth: AuthConfig = field(default_factory=AuthConfig)
+
+    def __post_init__(self):
+        _check_positive("services.num_samplers", self.num_samplers, allow_zero=True)
+        _check_positive("services.heartbeat_s", self.heartbeat_s)
+
+
+@dataclass
+class Config:
+    """The whole run. Each service reads the sections it needs."""
+
+    run_name: str = "splitrl"
+    model: ModelSection = field(default_factory=ModelSection)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    services: ServicesConfig = field(default_factory=ServicesConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Strict construction from plain data
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the annotation ``tp`` and build nested dataclasses."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, arg, value)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"{key}: expected a mapping for {tp.__name__}, got {type(value).__name__} {value!r}"
+            )
+        return from_dict(tp, value, prefix=key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value)] if args else list(
+            value
+        )
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        if not args:
+            return dict(value)
+        return {str(k): _coerce(f"{key}.{k}", args[1], v) for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected float, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected int, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected bool, got {type(value).__name__} {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected str, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown key '{full}' (known: {', '.join(sorted(fields))})")
+        kwargs[key] = _coerce(full, hints[key], value)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        # Validators name the key relative to the section; prefix it with where the section is.
+        msg = str(e)
+        if prefix and not msg.startswith(prefix):
+            head = prefix.rsplit(".", 1)[-1] + "."
+            msg = prefix + "." + msg[len(head):] if msg.startswith(head) else f"{prefix}: {msg}"
+        raise ConfigError(msg) from None
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b.c=value`` -> (``"a.b.c"``, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected KEY=VALUE, e.g. trainer.steps=50")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override '{text}': empty key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML: {e}") from None
+    return key, value
+
+
+def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    data = dict(data)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(data, key, value)
+    return data
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+    """Load ``path`` (YAML; None = defaults) and apply ``a.b.c=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
+        data = loaded
+    data = merge_overrides(data, list(overrides))
+    return from_dict(Config, data)
+
+
+def dump_config(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

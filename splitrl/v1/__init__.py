@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC modules (``make protos``); do not edit."""
