@@ -1,0 +1,25 @@
+"""Test-wide settings: offline hubs, CPU JAX, and where the shared data lives."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = (REPO_ROOT.parent / "shared" / "data").resolve()
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """``../shared/data`` beside the repository (GSM8K, MATH-500); skip if it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data not found at {SHARED_DATA}")
+    return SHARED_DATA
