@@ -1,0 +1,57 @@
+"""Hugging Face-compatible causal LMs (Llama 3, Qwen2/2.5, Qwen3) in flax.nnx.
+
+Parameters carry their HF names and HF shapes (Linear weights [out, in]), so checkpoints,
+trainer state, sampler state and the wire share one naming: see `param_names`.
+
+    model = from_pretrained("/path/to/hf_dir")            # or init_random(config, seed)
+    logits, _ = model(tokens, positions, attention_mask=mask)
+    lp, ent = token_logprobs(model, tokens, targets, temperature=0.7)
+    save_pretrained(model, "/path/out")
+
+Sampler hot loop (see `apply`, `init_cache`, `left_pad_positions`):
+
+    graphdef, state = nnx.split(model)
+    step = jax.jit(apply, static_argnums=0, donate_argnames="cache")
+    cache = init_cache(model.config, batch, max_len)
+    logits, cache = step(graphdef, state, prompt, pos, attention_mask=mask, cache=cache,
+                         cache_index=0)
+"""
+
+from splitrl.models.cache import KVCache, init_cache, left_pad_positions
+from splitrl.models.config import RopeScaling, TransformerConfig
+from splitrl.models.hf_io import from_pretrained, load_config, save_pretrained
+from splitrl.models.logprobs import logprobs_from_hidden, token_logprobs
+from splitrl.models.params import (
+    from_hf_state_dict,
+    hf_from_state,
+    hf_state_dict,
+    load_hf_state_dict,
+    param_names,
+    param_shapes,
+    state_from_hf,
+)
+from splitrl.models.transformer import CausalLM, abstract_model, apply, init_random
+
+__all__ = [
+    "CausalLM",
+    "KVCache",
+    "RopeScaling",
+    "TransformerConfig",
+    "abstract_model",
+    "apply",
+    "from_hf_state_dict",
+    "from_pretrained",
+    "hf_from_state",
+    "hf_state_dict",
+    "init_cache",
+    "init_random",
+    "left_pad_positions",
+    "load_config",
+    "load_hf_state_dict",
+    "logprobs_from_hidden",
+    "param_names",
+    "param_shapes",
+    "save_pretrained",
+    "state_from_hf",
+    "token_logprobs",
+]

@@ -1,0 +1,129 @@
+"""Reading and writing Hugging Face checkpoint directories (config.json + safetensors).
+
+Reads `model.safetensors` or a sharded `model.safetensors.index.json` with safetensors' flax
+backend (no torch needed, reads bf16) and writes the same layout back, sharded above a size
+limit like `transformers`, so `transformers.AutoModelForCausalLM.from_pretrained` loads what
+we save and we load what it saves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from splitrl.models.config import TransformerConfig
+from splitrl.models.params import from_hf_state_dict, hf_from_state
+from splitrl.models.transformer import CausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+
+
+def load_config(path: str | os.PathLike) -> TransformerConfig:
+    """The `TransformerConfig` of a HF checkpoint directory."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    return TransformerConfig.from_hf_dict(json.loads(config_path.read_text()))
+
+
+def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
+    """Loads a local HF checkpoint directory as a `CausalLM` computing in `dtype`.
+
+    Parameters are stored in `param_dtype` (default: `dtype`). Rotary `inv_freq` buffers and a
+    redundant `lm_head.weight` of a tied model are ignored, as transformers does; any other
+    missing or unknown tensor, or a wrong shape, raises a ValueError naming it.
+    """
+    config = load_config(path)
+    param_dtype = dtype if param_dtype is None else param_dtype
+    flat = {}
+    for file, names in _weight_files(Path(path)).items():
+        with safe_open(str(file), framework="flax") as f:
+            for name in names if names is not None else f.keys():
+                if _ignored(config, name):
+                    continue
+                flat[name] = f.get_tensor(name).astype(param_dtype)
+    try:
+        return from_hf_state_dict(config, flat, dtype, param_dtype=param_dtype)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: {e}") from None
+
+
+def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Writes config.json, generation_config.json and safetensors weights to `path`.
+
+    `dtype` (e.g. jnp.bfloat16) casts the stored tensors; by default they keep the model's
+    parameter dtype. Above `max_shard_bytes` the weights are split into
+    `model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json`.
+    """
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = hf_from_state(nnx.state(model, nnx.Param))
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    stored = jnp.dtype(next(iter(tensors.values())).dtype).name
+    config = model.config
+    (out / "config.json").write_text(json.dumps(config.to_hf_dict(stored), indent=2) + "\n")
+    gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.to_hf_dict()["eos_token_id"],
+           "pad_token_id": config.pad_token_id}
+    gen = {k: v for k, v in gen.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    _write_weights(out, tensors, max_shard_bytes)
+
+
+def _write_weights(out: Path, tensors: dict, max_shard_bytes: int) -> None:
+    shards: list[dict] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    metadata = {"format": "pt"}
+    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / SINGLE_FILE), metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / file), metadata=metadata)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _weight_files(path: Path) -> dict[Path, list[str] | None]:
+    """{file: tensor names to read from it (None = all)} for a single-file or sharded checkpoint."""
+    if (path / SINGLE_FILE).is_file():
+        return {path / SINGLE_FILE: None}
+    index_path = path / INDEX_FILE
+    if not index_path.is_file():
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    weight_map = json.loads(index_path.read_text()).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path} has no 'weight_map' dict")
+    files: dict[Path, list[str]] = {}
+    for name, file in weight_map.items():
+        files.setdefault(path / file, []).append(name)
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{index_path} refers to missing shard {file.name}")
+    return files
+
+
+def _ignored(config: TransformerConfig, name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq") or (
+        config.tie_word_embeddings and name == "lm_head.weight")

@@ -1,0 +1,165 @@
+"""Building blocks: RMSNorm, HF-layout Linear, grouped-query attention with KV cache, SwiGLU MLP.
+
+Parameter layout convention: every parameter is stored exactly as in the Hugging Face
+checkpoint, under the attribute names HF uses, so the nnx path of a parameter *is* its HF name
+(`model.layers.3.self_attn.q_proj.weight`) and its shape is the HF shape. Linear weights are
+therefore [out_features, in_features] (torch layout) and are applied as `x @ weight.T`; XLA
+contracts either dimension without a transpose copy. The payoff: checkpoints, the trainer's
+state, the sampler's state and the wire all use one name and one shape per tensor, with no
+transposes anywhere, and one set of partition rules (regexes over HF names) serves them all.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from splitrl.models.config import TransformerConfig
+from splitrl.models.rope import apply_rope
+
+# Large finite negative instead of -inf: a query with no visible key (a left-padding row)
+# then gets a uniform distribution rather than NaNs that would poison gradients.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class RMSNorm(nnx.Module):
+    """y = weight * x / rms(x), normalised in float32 like HF (weight initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        y = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
+        return self.weight[...].astype(self.dtype) * y
+
+
+class Linear(nnx.Module):
+    """Dense layer with a torch-layout weight [out, in] (see module docstring) and optional bias."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, param_dtype,
+                 rngs: nnx.Rngs, std: float):
+        w = std * jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32)
+        self.weight = nnx.Param(w.astype(param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embedding(nnx.Module):
+    """Token embedding table [vocab, hidden]; also the output projection when tied."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, param_dtype, rngs: nnx.Rngs, std: float):
+        w = std * jax.random.normal(rngs.params(), (vocab, dim), jnp.float32)
+        self.weight = nnx.Param(w.astype(param_dtype))
+        self.dtype = dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with optional per-head q/k RMSNorm (Qwen3) and KV cache.
+
+    Query heads are grouped as [kv_heads, heads_per_kv] (HF's repeat_kv order: query head h
+    uses kv head h // heads_per_kv), so no k/v repetition is materialised.
+    """
+
+    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 std: float):
+        c = config
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs, std=std)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias, **kw)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias,
+                             **kw)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias,
+                             **kw)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias,
+                             **kw)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.dtype = dtype
+
+    def __call__(self, x, cos, sin, mask, cache=None):
+        """x [B,T,D]; cos/sin [B,T,Dh/2]; mask [B,T,S] bool (True = may attend).
+
+        cache: None, or (k_all, v_all, layer, slot) with k_all/v_all [L,B,S,K,Dh]: this layer's
+        new keys/values are written at [layer, :, slot:slot+T] and attention reads the whole
+        layer row. Returns (out [B,T,D], (k_all, v_all) or None).
+        """
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_cache = None
+        if cache is not None:
+            k_all, v_all, layer, slot = cache
+            start = (layer, 0, slot, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
+            k, v = k_all[layer].astype(self.dtype), v_all[layer].astype(self.dtype)
+            new_cache = (k_all, v_all)
+        out = _attend(q, k, v, mask, self.num_kv_heads)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
+
+
+def _attend(q, k, v, mask, num_kv_heads):
+    """Softmax attention, q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S]; softmax in float32."""
+    b, t, h, dh = q.shape
+    q = q.reshape(b, t, num_kv_heads, h // num_kv_heads, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (dh ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, dh)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 std: float):
+        kw = dict(bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs, std=std)
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = Linear(d, f, **kw)
+        self.up_proj = Linear(d, f, **kw)
+        self.down_proj = Linear(f, d, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
+                 std: float):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, **kw)
+        self.self_attn = Attention(config, **kw, rngs=rngs, std=std)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, **kw)
+        self.mlp = MLP(config, **kw, rngs=rngs, std=std)
+
+    def __call__(self, x, cos, sin, mask, cache=None):
+        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_cache

@@ -1,0 +1,105 @@
+"""Parameters by Hugging Face name: the flat `{hf_name: array}` view of a model's state.
+
+Trainer, sampler, checkpoints and the wire identify every tensor by its HF name with its HF
+shape (see `layers.py` for why the nnx state already uses both). These functions convert
+between that flat view and an `nnx.State`, checking names and shapes so a bad push or a broken
+checkpoint fails with a message naming the tensor instead of producing wrong weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from splitrl.models.config import TransformerConfig
+from splitrl.models.transformer import CausalLM, abstract_model
+
+
+def _name(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _abstract_state(config: TransformerConfig, param_dtype=None) -> nnx.State:
+    return nnx.split(abstract_model(config, param_dtype=param_dtype))[1]
+
+
+def param_shapes(config: TransformerConfig,
+                 param_dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:
+    """{hf_name: ShapeDtypeStruct} of every parameter, in a stable (sorted) order."""
+    flat = nnx.to_flat_state(_abstract_state(config, param_dtype))
+    return {_name(path): var.get_value() for path, var in flat}
+
+
+def param_names(model_or_config: CausalLM | TransformerConfig) -> list[str]:
+    """Sorted HF names of all parameters (untied models include `lm_head.weight`)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return list(param_shapes(config))
+
+
+def hf_from_state(state: nnx.State) -> dict[str, jax.Array]:
+    """Flat `{hf_name: array}` view of a model state (no copies, keeps shardings)."""
+    return {_name(path): var.get_value() for path, var in nnx.to_flat_state(state)}
+
+
+def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.ndarray], *,
+                  param_dtype=None) -> nnx.State:
+    """Builds the `nnx.State` of a `CausalLM(config)` from `{hf_name: array}`.
+
+    Every parameter must be present with its exact shape and no other name may appear;
+    otherwise a ValueError names the offending tensors. Arrays keep their placement
+    (device/sharding); numpy arrays become jax arrays. With `param_dtype` every array is cast
+    to it, otherwise each keeps its dtype. Combine with a graphdef via `nnx.merge`.
+    """
+    abstract = nnx.to_flat_state(_abstract_state(config))
+    expected = {_name(path) for path, _ in abstract}
+    missing = sorted(expected - set(flat))
+    unexpected = sorted(set(flat) - expected)
+    if missing or unexpected:
+        raise ValueError(f"parameter names do not match {config.architecture}: "
+                         f"missing {_short(missing)}, unexpected {_short(unexpected)}")
+    leaves = []
+    for path, var in abstract:
+        name = _name(path)
+        value = flat[name]
+        want = var.get_value().shape
+        if tuple(value.shape) != tuple(want):
+            raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}, "
+                             f"expected {tuple(want)}")
+        if not isinstance(value, jax.Array):
+            value = jnp.asarray(value)
+        if param_dtype is not None:
+            value = value.astype(param_dtype)
+        leaves.append((path, var.replace(value)))
+    return nnx.from_flat_state(leaves)
+
+
+def from_hf_state_dict(config: TransformerConfig, flat: Mapping[str, jax.Array | np.ndarray],
+                       dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
+    """A `CausalLM` whose parameters are `flat` (see `state_from_hf`), computing in `dtype`."""
+    state = state_from_hf(config, flat, param_dtype=dtype if param_dtype is None else param_dtype)
+    graphdef = nnx.split(abstract_model(config, dtype))[0]
+    return nnx.merge(graphdef, state)
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
+    """`{hf_name: numpy array}` on the host (bf16 as `ml_dtypes.bfloat16`), e.g. for export."""
+    return {k: np.asarray(jax.device_get(v)) for k, v in hf_from_state(nnx.state(model)).items()}
+
+
+def load_hf_state_dict(model: CausalLM, flat: Mapping[str, jax.Array | np.ndarray]) -> None:
+    """Replaces the model's parameters in place by `flat`, keeping each parameter's dtype."""
+    current = hf_from_state(nnx.state(model))
+    cast = {k: jnp.asarray(v).astype(current[k].dtype) if k in current else v
+            for k, v in flat.items()}
+    nnx.update(model, state_from_hf(model.config, cast))
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "[]"
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return "[" + ", ".join(names[:limit]) + more + "]"

@@ -1,0 +1,141 @@
+"""`CausalLM`: the decoder-only LM (Llama 3 / Qwen2 / Qwen3) as a flax.nnx module.
+
+The module tree mirrors HF's `XForCausalLM` (`model.embed_tokens`, `model.layers.N...`,
+`model.norm`, `lm_head`), so parameter paths are the HF names (see `layers.py`).
+
+Calling convention (shared by trainer and sampler):
+
+    logits, new_cache = model(tokens, positions, attention_mask=..., cache=..., cache_index=...)
+
+Without a cache, attention is causal over the T given tokens plus a key-padding mask. With a
+cache (see `cache.py`) the tokens are written at slots [cache_index, cache_index + T) and each
+query attends to the valid cache slots at or before its own slot.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from splitrl.models.cache import KVCache
+from splitrl.models.config import TransformerConfig
+from splitrl.models.layers import DecoderLayer, Embedding, Linear, RMSNorm
+from splitrl.models.rope import inv_frequencies, rope_tables
+
+
+class Decoder(nnx.Module):
+    """The HF `model.` prefix: embeddings, decoder layers and the final norm."""
+
+    def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs, std):
+        kw = dict(dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **kw, rngs=rngs,
+                                      std=std)
+        self.layers = nnx.List([DecoderLayer(config, **kw, rngs=rngs, std=std)
+                                for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+
+class CausalLM(nnx.Module):
+    """Causal LM with HF-named, HF-shaped parameters; `dtype` is the compute dtype.
+
+    Parameters are stored in `param_dtype`; activations are computed in `dtype`; attention
+    softmax, norms, RoPE and the logits are float32.
+    """
+
+    def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None,
+                 rngs: nnx.Rngs, std: float = 0.02):
+        param_dtype = dtype if param_dtype is None else param_dtype
+        self.config = config
+        self.dtype = dtype
+        self.model = Decoder(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, std=std)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs, std=std)
+
+    def __call__(self, tokens, positions=None, *, attention_mask=None, cache=None,
+                 cache_index=None):
+        """tokens/positions [B,T] int32, attention_mask [B,T] bool (True = real token).
+
+        Returns (logits [B,T,V] float32, new KVCache or None).
+        """
+        h, new_cache = self.forward_hidden(tokens, positions, attention_mask=attention_mask,
+                                           cache=cache, cache_index=cache_index)
+        return self.logits(h), new_cache
+
+    def hidden_states(self, tokens, positions=None, *, attention_mask=None):
+        """Final-normed hidden states [B,T,D] (no cache), e.g. for chunked log-probs."""
+        return self.forward_hidden(tokens, positions, attention_mask=attention_mask)[0]
+
+    def lm_head_weight(self) -> jax.Array:
+        """Output projection [V, D] (the embedding table when tied)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.weight[...]
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Logits [..., V] in float32 from hidden states [..., D]."""
+        w = self.lm_head_weight().astype(self.dtype)
+        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), w,
+                          preferred_element_type=jnp.float32)
+
+    def forward_hidden(self, tokens, positions=None, *, attention_mask=None, cache=None,
+                       cache_index=None):
+        """Everything but the output projection; returns (hidden [B,T,D], new cache or None)."""
+        b, t = tokens.shape
+        offset = 0
+        if cache is not None:
+            if cache_index is None:
+                raise ValueError("cache_index is required when a cache is given")
+            offset = jnp.asarray(cache_index, jnp.int32)
+        if positions is None:
+            positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = (jnp.ones((b, t), bool) if attention_mask is None
+                 else attention_mask.astype(bool))
+        if cache is None:
+            key_valid, key_slot = valid, jnp.arange(t)
+        else:
+            key_valid = jax.lax.dynamic_update_slice(cache.mask, valid, (0, offset))
+            key_slot = jnp.arange(cache.mask.shape[1])
+        query_slot = offset + jnp.arange(t)
+        mask = (key_slot[None, :] <= query_slot[:, None])[None] & key_valid[:, None, :]
+
+        cos, sin = rope_tables(inv_frequencies(self.config), positions)
+        x = self.model.embed_tokens(tokens)
+        k_all = v_all = None
+        if cache is not None:
+            k_all, v_all = cache.k, cache.v
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = None if cache is None else (k_all, v_all, i, offset)
+            x, kv = layer(x, cos, sin, mask, layer_cache)
+            if kv is not None:
+                k_all, v_all = kv
+        h = self.model.norm(x)
+        new_cache = None if cache is None else KVCache(k=k_all, v=v_all, mask=key_valid)
+        return h, new_cache
+
+
+def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
+                param_dtype=None, std: float = 0.02) -> CausalLM:
+    """A randomly initialised model (normal(0, std) weights, zero biases, unit norms)."""
+    return CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), std=std)
+
+
+def abstract_model(config: TransformerConfig, dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
+    """The model with ShapeDtypeStruct leaves (no memory), for its graphdef and shapes."""
+    return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype,
+                                           rngs=nnx.Rngs(0)))
+
+
+def apply(graphdef, state, tokens, positions=None, *, attention_mask=None, cache=None,
+          cache_index=None):
+    """Pure forward: `nnx.merge(graphdef, state)(...)`, for a cheap `jax.jit` hot loop.
+
+        graphdef, state = nnx.split(model)
+        step = jax.jit(apply, static_argnums=0, donate_argnames="cache")
+        logits, cache = step(graphdef, state, tok, pos, cache=cache, cache_index=i)
+    """
+    model = nnx.merge(graphdef, state)
+    return model(tokens, positions, attention_mask=attention_mask, cache=cache,
+                 cache_index=cache_index)
