@@ -255,7 +255,7 @@ class SamplerConfig:
 
 @dataclass
 class AuthConfig:
-    """Shared token for mutating RPCs: from ``token``, the env var ``token_env`` or ``token_file``."""
+    """Shared token for mutating RPCs: ``token``, else env ``token_env``, else ``token_file``."""
 
     token: str | None = None
     token_env: str = "SPLITRL_AUTH_TOKEN"

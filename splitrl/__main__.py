@@ -1,0 +1,5 @@
+import sys
+
+from splitrl.cli import main
+
+sys.exit(main())

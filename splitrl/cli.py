@@ -1,0 +1,160 @@
+"""The ``splitrl`` command.
+
+Every service subcommand takes ``--config FILE`` (or the ``SPLITRL_CONFIG`` environment variable)
+and any number of ``a.b.c=value`` overrides, so the same file drives the local launcher,
+docker compose and Kubernetes. Service modules are imported lazily: ``splitrl health`` in a
+container probe must not pay for importing JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from splitrl.config import Config, ConfigError, dump_config, load_config
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        default=os.environ.get("SPLITRL_CONFIG"),
+        help="YAML config file (default: $SPLITRL_CONFIG, else built-in defaults)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. trainer.steps=5"
+    )
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.overrides)
+
+
+def _call(target: str) -> Callable:
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _service(target: str) -> Callable[[argparse.Namespace], int | None]:
+    def run(args: argparse.Namespace) -> int | None:
+        return _call(target)(_config(args))
+
+    return run
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from splitrl.init_model import init_model
+
+    path = init_model(
+        args.out,
+        family=args.family,
+        preset=args.preset,
+        vocab=args.vocab,
+        vocab_size=args.vocab_size,
+        seed=args.seed,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote a random {args.family} checkpoint ({args.preset}) and tokenizer to {path}")
+    return 0
+
+
+def _health(args: argparse.Namespace) -> int:
+    from splitrl.serving import check_health
+
+    ok = check_health(args.address, args.service, timeout_s=args.timeout)
+    print("SERVING" if ok else "NOT_SERVING")
+    return 0 if ok else 1
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    import tempfile
+
+    cfg = _config(args)
+    with tempfile.NamedTemporaryFile("r", suffix=".yaml") as f:
+        dump_config(cfg, f.name)
+        sys.stdout.write(open(f.name).read())
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    return _call("trainer_service.plots:main")(args.run_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitrl",
+        description="Disaggregated GRPO/GSPO post-training: sampler, reward and trainer services.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    services = {
+        "sampler": ("sampler_service.server:main", "run a sampler service"),
+        "reward": ("reward_service.server:main", "run the reward service"),
+        "trainer": ("trainer_service.server:main", "run the trainer service"),
+        "up": (
+            "trainer_service.launcher:main",
+            "start reward, samplers and trainer as local processes and run training",
+        ),
+    }
+    for name, (target, help_text) in services.items():
+        p = sub.add_parser(name, help=help_text)
+        _add_config_args(p)
+        p.set_defaults(func=_service(target))
+
+    p = sub.add_parser("demo", help="create the tiny model if missing, then run `up` on it")
+    _add_config_args(p)
+    p.set_defaults(func=_service("trainer_service.launcher:demo"))
+
+    p = sub.add_parser("config", help="print the resolved config (file + overrides)")
+    _add_config_args(p)
+    p.set_defaults(func=_show_config)
+
+    p = sub.add_parser("init-model", help="write a tiny random HF checkpoint and a tokenizer")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--family", default="qwen2", choices=["llama", "qwen2", "qwen3"])
+    p.add_argument("--preset", default="tiny", help="tiny | small | bench")
+    p.add_argument(
+        "--vocab",
+        default="default",
+        help="tokenizer training text: default (arithmetic + GSM8K), arithmetic, or a file",
+    )
+    p.add_argument("--vocab-size", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_init_model)
+
+    p = sub.add_parser("health", help="standard gRPC health check; exit 0 when SERVING")
+    p.add_argument("address", help="host:port")
+    p.add_argument("--service", default="", help="service name (default: the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=_health)
+
+    p = sub.add_parser("plot", help="draw a run's curves (reward, accuracy, KL, ...) to PNG")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_plot)
+
+    p = sub.add_parser("k8s", help="render, apply, scale or inspect the Kubernetes deployment")
+    p.add_argument("k8s_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _call("splitrl.k8s:main")(a.k8s_args))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except ConfigError as e:
+        print(f"splitrl: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
