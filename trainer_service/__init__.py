@@ -1,0 +1,1 @@
+"""SplitRL trainer service: data, losses, learner, checkpoints, weight publishing."""
