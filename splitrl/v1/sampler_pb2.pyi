@@ -63,16 +63,18 @@ class SamplerInfo(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("version", "tensor_count", "total_bytes", "sender")
+    __slots__ = ("version", "tensor_count", "total_bytes", "sender", "reset")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensor_count: int
     total_bytes: int
     sender: str
-    def __init__(self, version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sender: _Optional[str] = ...) -> None: ...
+    reset: bool
+    def __init__(self, version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sender: _Optional[str] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class WeightPushMessage(_message.Message):
     __slots__ = ("header", "chunk")
