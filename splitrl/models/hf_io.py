@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.flax import save_file
 
 from splitrl.models.config import TransformerConfig
-from splitrl.models.params import from_hf_state_dict, hf_from_state
+from splitrl.models.params import from_hf_state_dict, hf_from_state, to_torch_layout
 from splitrl.models.transformer import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -69,6 +69,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
     tensors = hf_from_state(nnx.state(model, nnx.Param))
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    tensors = {k: to_torch_layout(k, v) for k, v in tensors.items()}
     stored = jnp.dtype(next(iter(tensors.values())).dtype).name
     config = model.config
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(stored), indent=2) + "\n")

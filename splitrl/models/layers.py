@@ -1,12 +1,13 @@
-"""Building blocks: RMSNorm, HF-layout Linear, grouped-query attention with KV cache, SwiGLU MLP.
+"""Building blocks: RMSNorm, Linear, grouped-query attention with KV cache, SwiGLU MLP.
 
-Parameter layout convention: every parameter is stored exactly as in the Hugging Face
-checkpoint, under the attribute names HF uses, so the nnx path of a parameter *is* its HF name
-(`model.layers.3.self_attn.q_proj.weight`) and its shape is the HF shape. Linear weights are
-therefore [out_features, in_features] (torch layout) and are applied as `x @ weight.T`; XLA
-contracts either dimension without a transpose copy. The payoff: checkpoints, the trainer's
-state, the sampler's state and the wire all use one name and one shape per tensor, with no
-transposes anywhere, and one set of partition rules (regexes over HF names) serves them all.
+Parameter layout convention: every parameter lives under the attribute names HF uses, so
+the nnx path of a parameter *is* its HF name (`model.layers.3.self_attn.q_proj.weight`), which
+is what checkpoints, partition rules (`splitrl.mesh`) and the wire use. Shapes follow flax:
+Linear weights are [in_features, out_features] (the transpose of torch's [out, in]; `hf_io`
+transposes on load/save), so `lm_head.weight` is [hidden, vocab]; the embedding table stays
+[vocab, hidden] and RMSNorm weights and biases are 1-D, as in HF. Column-parallel projections
+(q/k/v/gate/up) therefore split their last dim for tensor parallelism, row-parallel ones
+(o/down) their first.
 """
 
 from __future__ import annotations
@@ -39,17 +40,17 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """Dense layer with a torch-layout weight [out, in] (see module docstring) and optional bias."""
+    """Dense layer y = x @ weight (+ bias), weight [in, out] (see module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, param_dtype,
                  rngs: nnx.Rngs, std: float):
-        w = std * jax.random.normal(rngs.params(), (out_features, in_features), jnp.float32)
+        w = std * jax.random.normal(rngs.params(), (in_features, out_features), jnp.float32)
         self.weight = nnx.Param(w.astype(param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,oi->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

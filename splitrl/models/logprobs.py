@@ -30,14 +30,18 @@ def token_logprobs(model: CausalLM, tokens, targets, positions=None, attention_m
     (neither needs to divide T or V). Differentiable w.r.t. the model's parameters.
     """
     h = model.hidden_states(tokens, positions, attention_mask=attention_mask)
-    w = model.lm_head_weight().astype(model.dtype)
-    return logprobs_from_hidden(h.astype(model.dtype), w, targets, chunk_size=chunk_size,
+    w, vocab_axis = model.output_weight()
+    return logprobs_from_hidden(h.astype(model.dtype), w.astype(model.dtype), targets,
+                                vocab_axis=vocab_axis, chunk_size=chunk_size,
                                 vocab_chunk_size=vocab_chunk_size, temperature=temperature)
 
 
-def logprobs_from_hidden(h, w, targets, *, chunk_size: int = 256, vocab_chunk_size: int = 16384,
-                         temperature: float = 1.0):
-    """`token_logprobs` from hidden states h [B,T,D] and output weight w [V,D]."""
+def logprobs_from_hidden(h, w, targets, *, vocab_axis: int = 0, chunk_size: int = 256,
+                         vocab_chunk_size: int = 16384, temperature: float = 1.0):
+    """`token_logprobs` from hidden states h [B,T,D] and the output weight w.
+
+    w is [V, D] with `vocab_axis=0` (tied embedding) or [D, V] with `vocab_axis=1` (lm_head).
+    """
     b, t, d = h.shape
     c = max(1, min(chunk_size, t))
     n = -(-t // c)
@@ -46,13 +50,11 @@ def logprobs_from_hidden(h, w, targets, *, chunk_size: int = 256, vocab_chunk_si
     targets = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad)))
     h_chunks = h.reshape(b, n, c, d).swapaxes(0, 1)
     t_chunks = targets.reshape(b, n, c).swapaxes(0, 1)
-    w_chunks, vc = _vocab_chunks(w, vocab_chunk_size)
     inv_temp = 1.0 / jnp.asarray(temperature, jnp.float32)
-    vocab = w.shape[0]
 
     @jax.checkpoint
     def time_chunk(hc, tc):
-        return _chunk_stats(hc, tc, w_chunks, vc, vocab, inv_temp)
+        return _chunk_stats(hc, tc, w, vocab_axis, vocab_chunk_size, inv_temp)
 
     _, (lp, ent) = jax.lax.scan(lambda carry, x: (carry, time_chunk(*x)), None,
                                 (h_chunks, t_chunks))
@@ -61,38 +63,39 @@ def logprobs_from_hidden(h, w, targets, *, chunk_size: int = 256, vocab_chunk_si
     return lp, ent
 
 
-def _vocab_chunks(w, vocab_chunk_size):
-    """w [V,D] -> ([nv, vc, D] zero-padded, vc)."""
-    v, d = w.shape
-    vc = max(1, min(vocab_chunk_size, v))
-    nv = -(-v // vc)
-    w = jnp.pad(w, ((0, nv * vc - v), (0, 0)))
-    return w.reshape(nv, vc, d), vc
+def _chunk_stats(hc, tc, w, vocab_axis, vocab_chunk_size, inv_temp):
+    """Target log-prob and entropy for one time chunk hc [B,c,D], tc [B,c].
 
-
-def _chunk_stats(hc, tc, w_chunks, vc, vocab, inv_temp):
-    """Target log-prob and entropy for one time chunk hc [B,c,D], tc [B,c]."""
+    Vocabulary chunk i covers ids [i*vc, (i+1)*vc); the last one is slid back to end at V
+    (so w is sliced in place, never padded or copied) and ignores ids already counted.
+    """
+    vocab = w.shape[vocab_axis]
+    vc = max(1, min(vocab_chunk_size, vocab))
+    num_chunks = -(-vocab // vc)
+    spec = "bcd,vd->bcv" if vocab_axis == 0 else "bcd,dv->bcv"
     shape = tc.shape
     init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
 
     @jax.checkpoint
-    def vocab_chunk(carry, xs):
+    def vocab_chunk(carry, i):
         m, s, u, tgt = carry
-        wc, start = xs
-        z = jnp.einsum("bcd,vd->bcv", hc, wc, preferred_element_type=jnp.float32) * inv_temp
+        nominal = i * vc
+        start = jnp.minimum(nominal, vocab - vc)
+        wc = jax.lax.dynamic_slice_in_dim(w, start, vc, axis=vocab_axis)
+        z = jnp.einsum(spec, hc, wc, preferred_element_type=jnp.float32) * inv_temp
         ids = start + jnp.arange(vc)
-        z = jnp.where(ids < vocab, z, -jnp.inf)
+        fresh = ids >= nominal
         # The shift cancels out of logZ; no gradient through it keeps the backward simple.
-        m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(z, axis=-1)))
+        m_new = jax.lax.stop_gradient(
+            jnp.maximum(m, jnp.max(jnp.where(fresh, z, -jnp.inf), axis=-1)))
+        e = jnp.where(fresh, jnp.exp(z - m_new[..., None]), 0.0)
         scale = jnp.exp(m - m_new)
-        e = jnp.exp(z - m_new[..., None])
         s = s * scale + jnp.sum(e, axis=-1)
-        u = u * scale + jnp.sum(e * jnp.where(ids < vocab, z, 0.0), axis=-1)
-        tgt = tgt + jnp.sum(jnp.where(ids == tc[..., None], z, 0.0), axis=-1)
+        u = u * scale + jnp.sum(e * z, axis=-1)
+        tgt = tgt + jnp.sum(jnp.where(fresh & (ids == tc[..., None]), z, 0.0), axis=-1)
         return (m_new, s, u, tgt), None
 
-    starts = jnp.arange(w_chunks.shape[0], dtype=jnp.int32) * vc
-    (m, s, u, tgt), _ = jax.lax.scan(vocab_chunk, init, (w_chunks, starts))
+    (m, s, u, tgt), _ = jax.lax.scan(vocab_chunk, init, jnp.arange(num_chunks, dtype=jnp.int32))
     logz = m + jnp.log(s)
     return tgt - logz, logz - u / s

@@ -1,9 +1,15 @@
-"""Parameters by Hugging Face name: the flat `{hf_name: array}` view of a model's state.
+"""Parameters by Hugging Face name: flat `{hf_name: array}` views of a model's state.
 
-Trainer, sampler, checkpoints and the wire identify every tensor by its HF name with its HF
-shape (see `layers.py` for why the nnx state already uses both). These functions convert
-between that flat view and an `nnx.State`, checking names and shapes so a bad push or a broken
-checkpoint fails with a message naming the tensor instead of producing wrong weights.
+Trainer, sampler, partition rules and the wire identify every tensor by its HF name. Two
+layouts exist under those names (see `layers.py`):
+
+- model layout (`hf_from_state` / `state_from_hf` / `param_shapes`): the nnx state as is,
+  Linear weights [in, out]. This is what trainer and sampler exchange; no copies.
+- torch layout (`hf_state_dict` / `from_hf_state_dict` / `load_hf_state_dict`): exactly the
+  tensors of a HF checkpoint, Linear weights [out, in], for export and checkpoint files.
+
+Conversions check names and shapes, so a bad push or a broken checkpoint fails with a message
+naming the tensor instead of producing wrong weights.
 """
 
 from __future__ import annotations
@@ -17,6 +23,21 @@ from flax import nnx
 
 from splitrl.models.config import TransformerConfig
 from splitrl.models.transformer import CausalLM, abstract_model
+
+
+def is_linear_weight(name: str) -> bool:
+    """Whether `name` is a Linear weight, stored transposed relative to torch."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
+def to_torch_layout(name: str, x):
+    """Model-layout tensor -> the tensor HF/torch stores under `name`."""
+    return x.T if is_linear_weight(name) and x.ndim == 2 else x
+
+
+def from_torch_layout(name: str, x):
+    """HF/torch tensor stored under `name` -> model layout (inverse of `to_torch_layout`)."""
+    return x.T if is_linear_weight(name) and x.ndim == 2 else x
 
 
 def _name(path) -> str:
@@ -79,22 +100,44 @@ def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.n
 
 def from_hf_state_dict(config: TransformerConfig, flat: Mapping[str, jax.Array | np.ndarray],
                        dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
-    """A `CausalLM` whose parameters are `flat` (see `state_from_hf`), computing in `dtype`."""
-    state = state_from_hf(config, flat, param_dtype=dtype if param_dtype is None else param_dtype)
+    """A `CausalLM` computing in `dtype` from HF checkpoint tensors (torch layout).
+
+    Parameters are cast to `param_dtype` (default: `dtype`). Names and (torch-layout) shapes
+    are checked; errors name the tensor.
+    """
+    param_dtype = dtype if param_dtype is None else param_dtype
+    for name, want in param_shapes(config).items():
+        want = tuple(want.shape)[::-1] if is_linear_weight(name) else tuple(want.shape)
+        if name in flat and tuple(flat[name].shape) != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(flat[name].shape)}, "
+                             f"expected {want}")
+    model_layout = {k: from_torch_layout(k, jnp.asarray(v)) for k, v in flat.items()}
+    state = state_from_hf(config, model_layout, param_dtype=param_dtype)
     graphdef = nnx.split(abstract_model(config, dtype))[0]
     return nnx.merge(graphdef, state)
 
 
-def hf_state_dict(model: CausalLM) -> dict[str, np.ndarray]:
-    """`{hf_name: numpy array}` on the host (bf16 as `ml_dtypes.bfloat16`), e.g. for export."""
-    return {k: np.asarray(jax.device_get(v)) for k, v in hf_from_state(nnx.state(model)).items()}
+def hf_state_dict(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
+    """HF checkpoint tensors (torch layout) as host numpy arrays (bf16 via ml_dtypes).
+
+    `dtype` casts them (default: keep each parameter's dtype).
+    """
+    out = {}
+    for name, value in hf_from_state(nnx.state(model, nnx.Param)).items():
+        if dtype is not None:
+            value = value.astype(dtype)
+        out[name] = np.asarray(jax.device_get(to_torch_layout(name, value)))
+    return out
 
 
 def load_hf_state_dict(model: CausalLM, flat: Mapping[str, jax.Array | np.ndarray]) -> None:
-    """Replaces the model's parameters in place by `flat`, keeping each parameter's dtype."""
-    current = hf_from_state(nnx.state(model))
-    cast = {k: jnp.asarray(v).astype(current[k].dtype) if k in current else v
-            for k, v in flat.items()}
+    """Replaces the model's parameters in place by HF checkpoint tensors (torch layout).
+
+    Each parameter keeps its current dtype.
+    """
+    current = hf_from_state(nnx.state(model, nnx.Param))
+    cast = {k: from_torch_layout(k, jnp.asarray(v)).astype(current[k].dtype)
+            if k in current else v for k, v in flat.items()}
     nnx.update(model, state_from_hf(model.config, cast))
 
 

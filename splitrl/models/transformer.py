@@ -69,15 +69,17 @@ class CausalLM(nnx.Module):
         """Final-normed hidden states [B,T,D] (no cache), e.g. for chunked log-probs."""
         return self.forward_hidden(tokens, positions, attention_mask=attention_mask)[0]
 
-    def lm_head_weight(self) -> jax.Array:
-        """Output projection [V, D] (the embedding table when tied)."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.weight[...]
+    def output_weight(self) -> tuple[jax.Array, int]:
+        """(w, vocab_axis): the embedding [V, D] (axis 0) when tied, else lm_head [D, V] (1)."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight[...], 0
+        return self.lm_head.weight[...], 1
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Logits [..., V] in float32 from hidden states [..., D]."""
-        w = self.lm_head_weight().astype(self.dtype)
-        return jnp.einsum("...d,vd->...v", h.astype(self.dtype), w,
+        w, vocab_axis = self.output_weight()
+        spec = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
+        return jnp.einsum(spec, h.astype(self.dtype), w.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
     def forward_hidden(self, tokens, positions=None, *, attention_mask=None, cache=None,
