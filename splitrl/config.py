@@ -270,6 +270,9 @@ class ServicesConfig:
     """Addresses and membership. The same section drives the launcher, compose and Kubernetes."""
 
     host: str = "127.0.0.1"
+    # The host other services use to reach this one (samplers register with it). None: ``host``
+    # unless that is a wildcard (0.0.0.0), then this machine's hostname.
+    advertise_host: str | None = None
     reward_address: str = "127.0.0.1:50100"
     trainer_address: str = "127.0.0.1:50200"
     sampler_port: int = 50300
