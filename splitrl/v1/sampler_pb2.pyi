@@ -9,20 +9,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_digests",)
+    INCLUDE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    include_digests: bool
+    def __init__(self, include_digests: _Optional[bool] = ...) -> None: ...
 
 class ParamInfo(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "partition")
+    __slots__ = ("name", "dtype", "shape", "partition", "digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PARTITION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     partition: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., partition: _Optional[_Iterable[str]] = ...) -> None: ...
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., partition: _Optional[_Iterable[str]] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class MeshInfo(_message.Message):
     __slots__ = ("axis_names", "axis_sizes", "device_count", "platform")
