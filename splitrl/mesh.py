@@ -4,14 +4,13 @@ A service builds its mesh from a :class:`~splitrl.config.MeshConfig`: named axes
 the host's devices (``device_offset`` and ``device_fraction``), so two services can split one
 host the way MaxText splits trainer and sampler devices.
 
-Parameters are named by their Hugging Face names and keep Hugging Face shapes (Linear weights
-``[out, in]``, embeddings and the LM head ``[vocab, hidden]``; see ``splitrl.models``), so the
-checkpoint, the trainer, the sampler and the wire share one layout. Partition rules are a
-small table from name to *role*; a role says which dimension tensor parallelism splits
-(Megatron-style: column-parallel projections split their output features, row-parallel ones
-their input features, embeddings their vocabulary), and fsdp splits the largest remaining
-dimension. A dimension that does not divide by the axis size stays whole, so any model fits
-any mesh; ``explain_layout`` shows what landed where.
+Parameters are named by their Hugging Face names (``splitrl.models``), in the models' layout:
+Linear weights ``[in, out]`` (the LM head ``[hidden, vocab]``), embeddings ``[vocab, hidden]``.
+Partition rules are a small table from name to *role*; a role says which dimension tensor
+parallelism splits (Megatron-style: column-parallel projections split their output features,
+row-parallel ones their input features, embeddings and the LM head their vocabulary), and fsdp
+splits the largest remaining dimension. A dimension that does not divide by the axis size
+stays whole, so any model fits any mesh; ``explain_layout`` shows what landed where.
 """
 
 from __future__ import annotations
@@ -30,12 +29,13 @@ FSDP_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
 DATA_AXIS = "data"
 
-# Which dimension tensor parallelism splits, for Linear weights stored as [out, in].
-# "column": output features (dim 0); "row": input features (dim -1); "vocab": the vocabulary
-# dim of the embedding and of the LM head (both [V, D], dim 0); "bias": the only dim of a
-# column-parallel bias; "replicated": never split by tensor parallelism.
+# Which dimension tensor parallelism splits, for 2-D kernels stored as [in, out].
+# "column": output features (dim -1); "row": input features (dim 0); "vocab": the vocabulary
+# dim of embeddings ([V, D], dim 0) and of the LM head kernel ([D, V], dim -1); "bias": the
+# only dim of a column-parallel bias; "replicated": never split by tensor parallelism.
 _ROLE_RULES: list[tuple[str, str]] = [
-    (r"(embed_tokens|lm_head)\.weight$", "vocab"),
+    (r"embed_tokens\.weight$", "vocab_rows"),
+    (r"lm_head\.weight$", "vocab_cols"),
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", "column"),
     (r"(q_proj|k_proj|v_proj)\.bias$", "bias"),
     (r"(o_proj|down_proj)\.weight$", "row"),
@@ -87,7 +87,13 @@ def param_role(name: str) -> str:
 def _tensor_dim(role: str, ndim: int) -> int | None:
     if ndim == 0:
         return None
-    return {"vocab": 0, "column": 0, "bias": 0, "row": ndim - 1}.get(role)
+    return {
+        "vocab_rows": 0,
+        "vocab_cols": ndim - 1,
+        "column": ndim - 1,
+        "bias": 0,
+        "row": 0,
+    }.get(role)
 
 
 def partition_spec(

@@ -19,18 +19,18 @@ from splitrl.mesh import (
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 emulated devices")
 
-# A Qwen2-like layer in HF layout ([out, in]): hidden 64, 4 heads of 16, 2 kv heads, mlp 128.
+# A Qwen2-like layer in the models' [in, out] layout: hidden 64, 4 heads of 16, 2 kv heads, mlp 128.
 SHAPES = {
     "model.embed_tokens.weight": (512, 64),
     "model.layers.0.self_attn.q_proj.weight": (64, 64),
     "model.layers.0.self_attn.q_proj.bias": (64,),
-    "model.layers.0.self_attn.k_proj.weight": (32, 64),
+    "model.layers.0.self_attn.k_proj.weight": (64, 32),
     "model.layers.0.self_attn.o_proj.weight": (64, 64),
-    "model.layers.0.mlp.gate_proj.weight": (128, 64),
-    "model.layers.0.mlp.down_proj.weight": (64, 128),
+    "model.layers.0.mlp.gate_proj.weight": (64, 128),
+    "model.layers.0.mlp.down_proj.weight": (128, 64),
     "model.layers.0.input_layernorm.weight": (64,),
     "model.norm.weight": (64,),
-    "lm_head.weight": (512, 64),
+    "lm_head.weight": (64, 512),
 }
 
 
@@ -64,9 +64,9 @@ def test_fsdp_shards_the_largest_dimension():
     mesh = build_mesh(MeshConfig(axes={"fsdp": 4}, device_fraction=0.5))
     specs = {n: partition_spec(n, s, mesh) for n, s in SHAPES.items()}
     assert specs["model.embed_tokens.weight"] == P("fsdp", None)
-    assert specs["model.layers.0.mlp.gate_proj.weight"] == P("fsdp", None)
-    assert specs["model.layers.0.mlp.down_proj.weight"] == P(None, "fsdp")
-    assert specs["lm_head.weight"] == P("fsdp", None)
+    assert specs["model.layers.0.mlp.gate_proj.weight"] == P(None, "fsdp")
+    assert specs["model.layers.0.mlp.down_proj.weight"] == P("fsdp", None)
+    assert specs["lm_head.weight"] == P(None, "fsdp")
     # Vectors stay whole: sharding them saves nothing and costs a gather.
     assert specs["model.norm.weight"] == P(None)
     assert specs["model.layers.0.self_attn.q_proj.bias"] == P(None)
@@ -75,32 +75,32 @@ def test_fsdp_shards_the_largest_dimension():
 def test_tensor_parallel_is_megatron_style():
     mesh = build_mesh(MeshConfig(axes={"tensor": 2}, device_fraction=0.25, strategy="tp"))
     specs = {n: partition_spec(n, s, mesh) for n, s in SHAPES.items()}
-    assert specs["model.layers.0.self_attn.q_proj.weight"] == P("tensor", None)  # column
+    assert specs["model.layers.0.self_attn.q_proj.weight"] == P(None, "tensor")  # column
     assert specs["model.layers.0.self_attn.q_proj.bias"] == P("tensor")
-    assert specs["model.layers.0.self_attn.o_proj.weight"] == P(None, "tensor")  # row
-    assert specs["model.layers.0.mlp.down_proj.weight"] == P(None, "tensor")
+    assert specs["model.layers.0.self_attn.o_proj.weight"] == P("tensor", None)  # row
+    assert specs["model.layers.0.mlp.down_proj.weight"] == P("tensor", None)
     assert specs["model.embed_tokens.weight"] == P("tensor", None)  # vocab
-    assert specs["lm_head.weight"] == P("tensor", None)
+    assert specs["lm_head.weight"] == P(None, "tensor")
     assert specs["model.layers.0.input_layernorm.weight"] == P(None)
 
 
 def test_two_dimensional_mesh_uses_both_axes_and_skips_indivisible_dims():
     mesh = build_mesh(MeshConfig(axes={"fsdp": 2, "tensor": 4}))
-    spec = partition_spec("model.layers.0.mlp.gate_proj.weight", (128, 64), mesh)
-    assert spec == P("tensor", "fsdp")
+    spec = partition_spec("model.layers.0.mlp.gate_proj.weight", (64, 128), mesh)
+    assert spec == P("fsdp", "tensor")
     # 30 output features do not divide by 4 tensor shards: that dim stays whole.
-    spec = partition_spec("model.layers.0.self_attn.k_proj.weight", (30, 64), mesh)
-    assert spec == P(None, "fsdp")
+    spec = partition_spec("model.layers.0.self_attn.k_proj.weight", (64, 30), mesh)
+    assert spec == P("fsdp", None)
 
 
 def test_shardings_place_arrays_as_specified():
     mesh = build_mesh(MeshConfig(axes={"fsdp": 2, "tensor": 4}))
     shardings = param_shardings(mesh, SHAPES)
     name = "model.layers.0.mlp.gate_proj.weight"
-    x = jax.device_put(np.arange(64 * 128, dtype=np.float32).reshape(128, 64), shardings[name])
-    assert x.sharding.spec == P("tensor", "fsdp")
+    x = jax.device_put(np.arange(64 * 128, dtype=np.float32).reshape(64, 128), shardings[name])
+    assert x.sharding.spec == P("fsdp", "tensor")
     assert {s.data.shape for s in x.addressable_shards} == {(32, 32)}
-    np.testing.assert_array_equal(np.asarray(x), np.arange(64 * 128).reshape(128, 64))
+    np.testing.assert_array_equal(np.asarray(x), np.arange(64 * 128).reshape(64, 128))
 
 
 def test_spec_strings_round_trip():
