@@ -212,6 +212,43 @@ class DataConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Multi-host JAX for the trainer (``jax.distributed.initialize``); see splitrl/distributed.py.
+
+    All fields are optional. A single process (the default) initializes nothing. Unset fields are
+    detected from the environment: ``process_id`` from ``JOB_COMPLETION_INDEX`` (a Kubernetes
+    indexed Job), and on a multi-host Cloud TPU slice JAX finds coordinator and ranks by itself.
+    """
+
+    # "host:port" of process 0, e.g. trainer-0.trainer-workers:8476 in an indexed Job.
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    initialization_timeout_s: int = 300
+
+    def __post_init__(self):
+        _check_positive("distributed.num_processes", self.num_processes)
+        _check_positive("distributed.process_id", self.process_id, allow_zero=True)
+        _check_positive("distributed.initialization_timeout_s", self.initialization_timeout_s)
+        if (
+            self.num_processes is not None
+            and self.process_id is not None
+            and self.process_id >= self.num_processes
+        ):
+            raise ConfigError(
+                f"distributed.process_id: expected a value < num_processes "
+                f"({self.num_processes}), got {self.process_id}"
+            )
+        if self.coordinator_address is not None:
+            host, sep, port = self.coordinator_address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(
+                    "distributed.coordinator_address: expected 'host:port', "
+                    f"got {self.coordinator_address!r}"
+                )
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 100
     prompts_per_step: int = 16
@@ -228,6 +265,7 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self):
         _check_positive("trainer.steps", self.steps, allow_zero=True)
