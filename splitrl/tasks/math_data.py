@@ -1,0 +1,87 @@
+"""GSM8K and MATH-500 from `../shared/data` (or any directory, file pattern or hub name).
+
+GSM8K's reference is the number after `####` with thousands separators removed (`1,080` ->
+`1080`); MATH-500's is its `answer` field. An optional instruction is appended to each problem:
+`"hash"`, `"boxed"` or any string of your own.
+"""
+
+from __future__ import annotations
+
+import os
+
+from splitrl.tasks.base import (
+    LazyRows,
+    Row,
+    Task,
+    default_data_dir,
+    load_split,
+    make_row,
+    register_task,
+)
+
+INSTRUCTIONS = {
+    "hash": "Solve the problem step by step. Write the final answer as a number after '####'.",
+    "boxed": "Solve the problem step by step. Put the final answer within \\boxed{}.",
+}
+MATH_REWARDS = ({"name": "math_accuracy", "weight": 1.0, "options": {}},)
+
+
+def parse_gsm8k_answer(answer: str) -> str:
+    """The final answer of a GSM8K solution: the text after the last `####`, commas removed."""
+    if "####" not in answer:
+        raise ValueError(f"GSM8K answer has no '####' final answer: {answer[-80:]!r}")
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def _with_instruction(problem: str, instruction: str | None) -> str:
+    if not instruction:
+        return problem
+    return f"{problem}\n{INSTRUCTIONS.get(instruction, instruction)}"
+
+
+class _FileTask(Task):
+    default_dir = ""
+    file_splits: tuple[str, ...] = ()
+    reward_functions = MATH_REWARDS
+    sampling = {"max_new_tokens": 512}
+
+    def __init__(self, path: str | os.PathLike | None = None, instruction: str | None = None,
+                 subset: str | None = None):
+        self.path = str(path) if path is not None else str(default_data_dir() / self.default_dir)
+        self.instruction = instruction
+        self.subset = subset
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return self.file_splits
+
+    def rows(self, split: str) -> LazyRows:
+        self._check_split(split)
+        dataset = load_split(self.path, split, subset=self.subset)
+        return LazyRows(dataset, lambda i, rec: self._row(split, i, rec))
+
+    def _row(self, split: str, index: int, record: dict) -> Row:
+        raise NotImplementedError
+
+
+@register_task("gsm8k")
+class GSM8KTask(_FileTask):
+    default_dir = "gsm8k"
+    file_splits = ("train", "test")
+
+    def _row(self, split: str, index: int, record: dict) -> Row:
+        return make_row(f"gsm8k-{split}-{index}", parse_gsm8k_answer(record["answer"]),
+                        {"task": "gsm8k", "split": split, "index": index},
+                        prompt=_with_instruction(record["question"], self.instruction))
+
+
+@register_task("math500")
+class Math500Task(_FileTask):
+    default_dir = "math500"
+    file_splits = ("test",)
+
+    def _row(self, split: str, index: int, record: dict) -> Row:
+        meta = {"task": "math500", "split": split, "index": index}
+        meta.update({k: record[k] for k in ("subject", "level", "unique_id") if k in record})
+        return make_row(f"math500-{split}-{index}", str(record["answer"]).strip(), meta,
+                        prompt=_with_instruction(record["problem"], self.instruction))

@@ -1,0 +1,185 @@
+"""Tokenizers trained with `tokenizers`, saved as directories `transformers` loads.
+
+No hub is reachable here, so the tiny checkpoints carry their own tokenizer. Two kinds:
+
+- **byte-level BPE** (`train_bpe_tokenizer`): covers any text; digits are always split into
+  single tokens (pre-tokenizer `Digits(individual_digits=True)`) so arithmetic is learnable.
+- **character vocabulary** (`train_char_tokenizer`): a BPE model with no merges over the
+  characters of the training text, anything else mapped to `<unk>`. A random tiny model has to
+  hit the answer token by chance to get any GRPO signal, so the arithmetic task uses this
+  (~16 tokens instead of 512).
+
+Both have the ChatML special tokens `<|endoftext|>` (eos and pad), `<|im_start|>`, `<|im_end|>`
+and a ChatML `chat_template` in `tokenizer_config.json`. Helpers the services share:
+`load_tokenizer`, `encode_prompt`, `decode`, `eos_token_ids`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)
+
+# ChatML, as Qwen2 uses it (without tools).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+DEFAULT_MODEL_MAX_LENGTH = 4096
+
+
+def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *,
+                        vocab_size: int = 512, min_frequency: int = 2) -> Path:
+    """Trains a byte-level BPE of at most `vocab_size` tokens (specials included) on `texts`
+    and saves it to `out_dir`. Returns the directory.
+
+    Fewer tokens come out when the text has too few distinct pairs to merge.
+    """
+    n_base = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < n_base:
+        raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level BPE "
+                         f"(needs >= {n_base}: 256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return _save(tok, out_dir, unk_token=None)
+
+
+def train_char_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike) -> Path:
+    """Saves a character vocabulary of the characters in `texts` to `out_dir`.
+
+    Ids: the special tokens, then `<unk>`, then the characters in sorted order. It is a BPE
+    model with no merges, so every known character is one token and any other is `<unk>`.
+    """
+    chars = sorted({c for text in texts for c in text})
+    vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, UNK_TOKEN, *chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([*SPECIAL_TOKENS, UNK_TOKEN])
+    return _save(tok, out_dir, unk_token=UNK_TOKEN)
+
+
+def _save(tok: Tokenizer, out_dir: str | os.PathLike, *, unk_token: str | None) -> Path:
+    """Writes tokenizer.json and a tokenizer_config.json (specials, chat template)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.save(str(out / "tokenizer.json"))
+    specials = [*SPECIAL_TOKENS] + ([unk_token] if unk_token else [])
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "unk_token": unk_token,
+        "additional_special_tokens": [IM_START, IM_END],
+        "added_tokens_decoder": {
+            str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False,
+                                      "rstrip": False, "single_word": False, "special": True}
+            for t in specials
+        },
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": DEFAULT_MODEL_MAX_LENGTH,
+        "padding_side": "left",
+        "split_special_tokens": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN,
+         "additional_special_tokens": [IM_START, IM_END],
+         **({"unk_token": unk_token} if unk_token else {})}, indent=2) + "\n")
+    return out
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """`transformers.AutoTokenizer` for a local directory (never touches the hub for one) or a
+    hub name (honours HF_HUB_OFFLINE)."""
+    from transformers import AutoTokenizer
+
+    local = Path(path).is_dir()
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=local)
+
+
+def build_messages(text: str | None = None, messages: Sequence[dict] | None = None,
+                   system_prompt: str | None = None) -> list[dict[str, str]]:
+    """Chat messages for a prompt: `messages` as given, or one user turn of `text`; a system
+    turn with `system_prompt` goes first unless the messages already start with one."""
+    if messages is None:
+        if text is None:
+            raise ValueError("a prompt needs text or messages, got neither")
+        msgs = [{"role": "user", "content": text}]
+    else:
+        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if system_prompt is not None and not (msgs and msgs[0]["role"] == "system"):
+        msgs.insert(0, {"role": "system", "content": system_prompt})
+    return msgs
+
+
+def render_prompt(tokenizer, text: str | None = None, messages: Sequence[dict] | None = None,
+                  system_prompt: str | None = None, use_chat_template: bool = False) -> str:
+    """The prompt as the string the model sees.
+
+    With the chat template (or when `messages` are given) it is rendered with a generation
+    prompt. Plain text with a `system_prompt` becomes `system_prompt + "\\n\\n" + text`.
+    """
+    if messages is not None or use_chat_template:
+        if tokenizer.chat_template is None:
+            raise ValueError("the tokenizer has no chat_template; send plain text instead")
+        msgs = build_messages(text, messages, system_prompt)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    if text is None:
+        raise ValueError("a prompt needs text or messages, got neither")
+    return text if system_prompt is None else f"{system_prompt}\n\n{text}"
+
+
+def encode_prompt(tokenizer, text: str | None = None, messages: Sequence[dict] | None = None,
+                  system_prompt: str | None = None, use_chat_template: bool = False) -> list[int]:
+    """Token ids of a prompt (see `render_prompt`). Special tokens written in the rendered text
+    (`<|im_start|>`...) become their ids; no BOS/EOS is added on top."""
+    rendered = render_prompt(tokenizer, text, messages, system_prompt, use_chat_template)
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Text of token ids, special tokens dropped by default."""
+    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+
+def eos_token_ids(tokenizer_or_dir) -> list[int]:
+    """Ids that end a completion: the tokenizer's eos, then `<|im_end|>` (end of a chat turn)
+    when the vocabulary has it. Accepts a tokenizer or a tokenizer directory."""
+    tok = tokenizer_or_dir
+    if isinstance(tok, str | os.PathLike):
+        tok = load_tokenizer(tok)
+    ids: list[int] = []
+    if tok.eos_token_id is not None:
+        ids.append(int(tok.eos_token_id))
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != tok.unk_token_id and im_end not in ids:
+        ids.append(im_end)
+    return ids
