@@ -290,13 +290,15 @@ def iter_push_messages(
     max_chunk_bytes: int,
     target_shardings: Mapping[str, TargetLayout] | None = None,
     sender: str = "",
+    reset: bool = False,
 ) -> Iterator[sampler_pb2.WeightPushMessage]:
     """The ``PushWeights`` request stream: a header, then every parameter's chunks.
 
     ``flat_params`` maps HF names to ``jax.Array`` (any sharding, fully addressable) or numpy
     arrays. ``target_shardings`` (from :func:`layouts_from_info`) is the receiver's layout:
     names must match it exactly, and values are cast to its dtypes; None sends each sender shard
-    as one region. Lazy: tensors are read one shard at a time as the stream is consumed.
+    as one region. ``reset`` lets the receiver accept a version that is not newer (rollback to
+    a checkpoint). Lazy: tensors are read one shard at a time as the stream is consumed.
     """
     if target_shardings is not None:
         missing = sorted(set(target_shardings) - set(flat_params))
@@ -315,7 +317,8 @@ def iter_push_messages(
         dtype = numpy_dtype(target.dtype) if target and target.dtype else np.dtype(array.dtype)
         total += math.prod(array.shape) * dtype.itemsize
     header = sampler_pb2.PushHeader(
-        version=version, tensor_count=len(flat_params), total_bytes=total, sender=sender)
+        version=version, tensor_count=len(flat_params), total_bytes=total, sender=sender,
+        reset=reset)
     yield sampler_pb2.WeightPushMessage(header=header)
     for name in sorted(flat_params):
         target = target_shardings[name] if target_shardings is not None else None

@@ -1,0 +1,136 @@
+"""WeightStore: verified, staged, atomic weight intake (in-process, one device)."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from sampler_helpers import tiny_config
+
+from sampler_service.weights import WeightStore
+from splitrl import wire
+from splitrl.models import hf_from_state, init_random
+from splitrl.v1 import sampler_pb2
+from splitrl.wire import WireError
+
+MAX_CHUNK = 1024
+
+
+@pytest.fixture(scope="module")
+def config():
+    return tiny_config()
+
+
+@pytest.fixture()
+def store(config):
+    mesh = jax.make_mesh((1,), ("tensor",))
+    state = nnx.state(init_random(config, seed=0, std=0.1))
+    return WeightStore.from_state(config, state, mesh, strategy="tp", max_chunk_bytes=MAX_CHUNK)
+
+
+def _new_params(config, seed=1):
+    return {n: np.asarray(a) for n, a in
+            hf_from_state(nnx.state(init_random(config, seed=seed, std=0.1))).items()}
+
+
+def _messages(params, version, **kw):
+    return list(wire.iter_push_messages(params, version, max_chunk_bytes=MAX_CHUNK, **kw))
+
+
+def _rejected(store, messages, code):
+    before_version, before = store.version, store.digests()
+    with pytest.raises(WireError) as info:
+        store.apply_push(iter(messages))
+    assert info.value.code == code, info.value
+    assert store.version == before_version
+    assert store.digests() == before
+    return info.value.message
+
+
+def test_push_swaps_in_bitwise_equal_weights_with_the_stores_shardings(store, config):
+    params = _new_params(config)
+    _, old_state = store.snapshot()
+    result = store.apply_push(iter(_messages(params, 1)))
+    assert result.version == 1 and store.version == 1
+    assert result.bytes_received == sum(a.nbytes for a in params.values())
+    version, state = store.snapshot()
+    flat = hf_from_state(state)
+    for name, array in params.items():
+        assert np.asarray(flat[name]).tobytes() == array.tobytes(), name
+        assert flat[name].sharding == store.shardings[name]
+    assert store.digests() == {n: wire.array_digest(a) for n, a in params.items()}
+    # The snapshot taken before the push still holds the old weights.
+    assert hf_from_state(old_state)["model.norm.weight"] is not flat["model.norm.weight"]
+
+
+def test_every_failure_leaves_the_old_weights_serving(store, config):
+    params = _new_params(config)
+    store.apply_push(iter(_messages(params, 3)))
+
+    msg = _rejected(store, _messages(params, 3), grpc.StatusCode.FAILED_PRECONDITION)
+    assert "version 3 is not newer than the serving version 3" in msg
+
+    msgs = _messages(params, 4)
+    chunk = msgs[5].chunk
+    chunk.data = b"\x00" + chunk.data[1:] if chunk.data[:1] != b"\x00" else b"\x01" + chunk.data[1:]
+    assert "checksum" in _rejected(store, msgs, grpc.StatusCode.DATA_LOSS)
+
+    msgs = _messages(params, 4)
+    msgs[1].chunk.name = "model.layers.9.mlp.up_proj.weight"
+    assert "unknown parameter name" in _rejected(store, msgs, grpc.StatusCode.INVALID_ARGUMENT)
+
+    msgs = _messages(params, 4)
+    msgs[1].chunk.shape[:] = list(msgs[1].chunk.shape)[::-1] + [1]
+    assert "shape is" in _rejected(store, msgs, grpc.StatusCode.INVALID_ARGUMENT)
+
+    msgs = _messages(params, 4)
+    msg = _rejected(store, msgs[:-1], grpc.StatusCode.INVALID_ARGUMENT)
+    assert "incomplete push" in msg and msgs[-1].chunk.name in msg
+
+    big = list(wire.iter_push_messages(params, 4, max_chunk_bytes=4 * MAX_CHUNK))
+    assert "max_chunk_bytes" in _rejected(store, big, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    msgs = _messages(params, 4)
+    assert "must start with a PushHeader" in _rejected(
+        store, msgs[1:], grpc.StatusCode.INVALID_ARGUMENT)
+
+    # After all that, a good push still works, and reset may roll back to an older version.
+    assert store.apply_push(iter(_messages(params, 4))).version == 4
+    assert store.apply_push(iter(_messages(params, 2, reset=True))).version == 2
+
+
+def test_a_second_concurrent_push_is_aborted(store, config):
+    params = _new_params(config)
+    msgs = _messages(params, 1)
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        yield msgs[0]
+        started.set()
+        release.wait(10)
+        yield from msgs[1:]
+
+    results = []
+    thread = threading.Thread(target=lambda: results.append(store.apply_push(slow())))
+    thread.start()
+    started.wait(10)
+    with pytest.raises(WireError) as info:
+        store.apply_push(iter(_messages(params, 2)))
+    assert info.value.code == grpc.StatusCode.ABORTED
+    assert "version 1" in info.value.message
+    assert store.version == 0
+    release.set()
+    thread.join(10)
+    assert results and results[0].version == 1 and store.version == 1
+
+
+def test_param_infos_report_partitions_and_digests(store):
+    infos = store.param_infos(include_digests=True)
+    assert [i.name for i in infos] == sorted(store.manifest)
+    assert all(i.digest.startswith("sha256:") for i in infos)
+    assert isinstance(infos[0], sampler_pb2.ParamInfo)
+    assert all(len(i.partition) == len(i.shape) for i in infos)
