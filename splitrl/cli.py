@@ -79,6 +79,12 @@ def _show_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int | None:
+    from trainer_service.launcher import demo, demo_config_path
+
+    return demo(load_config(args.config or demo_config_path(), args.overrides))
+
+
 def _plot(args: argparse.Namespace) -> int:
     return _call("trainer_service.plots:main")(args.run_dir)
 
@@ -104,9 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         _add_config_args(p)
         p.set_defaults(func=_service(target))
 
-    p = sub.add_parser("demo", help="create the tiny model if missing, then run `up` on it")
+    p = sub.add_parser(
+        "demo", help="the built-in tiny run: create the model if missing, then `up` it"
+    )
     _add_config_args(p)
-    p.set_defaults(func=_service("trainer_service.launcher:demo"))
+    p.set_defaults(func=_demo)
 
     p = sub.add_parser("config", help="print the resolved config (file + overrides)")
     _add_config_args(p)

@@ -1,0 +1,69 @@
+"""Scored rollout groups -> the learner's padded :class:`TrainBatch`.
+
+Each completion becomes one row: the prompt left-padded to the batch's longest prompt, then the
+completion right-padded. Lengths are rounded up to buckets so that a run compiles a few train
+programs, not one per batch shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from splitrl.config import AlgorithmConfig
+from trainer_service.advantages import compute_advantages
+from trainer_service.learner import TrainBatch
+from trainer_service.rollouts import RolloutGroup
+
+
+def bucket(n: int, minimum: int = 8) -> int:
+    """Round ``n`` up to a power of two (at least ``minimum``)."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+def build_train_batch(
+    groups: list[RolloutGroup], algorithm: AlgorithmConfig, *, pad_id: int = 0
+) -> TrainBatch:
+    rows = [(g, c) for g in groups for c in g.completions]
+    if not rows:
+        raise ValueError("build_train_batch: no completions in the groups")
+    prompt_len = max(len(g.prompt_token_ids) for g in groups)
+    completion_len = max(len(c.token_ids) for _, c in rows)
+    length = bucket(prompt_len + completion_len)
+    n = len(rows)
+    tokens = np.full((n, length), pad_id, np.int32)
+    attention = np.zeros((n, length), bool)
+    completion = np.zeros((n, length), bool)
+    sampler_lp = np.zeros((n, length), np.float32)
+    group_ids = np.zeros(n, np.int32)
+    rewards = np.zeros(n, np.float32)
+    for i, (g, c) in enumerate(rows):
+        p = len(g.prompt_token_ids)
+        start = prompt_len - p
+        end = prompt_len + len(c.token_ids)
+        tokens[i, start:prompt_len] = g.prompt_token_ids
+        tokens[i, prompt_len:end] = c.token_ids
+        attention[i, start:end] = True
+        completion[i, prompt_len:end] = True
+        sampler_lp[i, prompt_len:end] = c.logprobs[: len(c.token_ids)]
+        rewards[i] = c.reward
+    index = {id(g): k for k, g in enumerate(groups)}
+    for i, (g, _) in enumerate(rows):
+        group_ids[i] = index[id(g)]
+    advantages = np.asarray(
+        compute_advantages(
+            algorithm.advantage, rewards, group_ids, std=algorithm.advantage_std
+        ),
+        np.float32,
+    )
+    return TrainBatch(
+        tokens=tokens,
+        attention_mask=attention,
+        completion_mask=completion,
+        sampler_logprobs=sampler_lp,
+        advantages=advantages,
+        group_ids=group_ids,
+        rewards=rewards,
+    )

@@ -1,0 +1,219 @@
+"""Which samplers exist right now: static addresses, DNS names and self-registration.
+
+Three sources feed one pool, so the same trainer works as local processes, in docker compose
+and on Kubernetes:
+
+- ``services.sampler_addresses``: a fixed list;
+- ``services.sampler_dns``: ``name:port`` resolved on every refresh; compose service names and
+  Kubernetes headless Services resolve to one address per replica, so ``--scale sampler=3`` or
+  ``kubectl scale`` is picked up with no address written anywhere;
+- ``RegisterSampler``/``Heartbeat`` calls from samplers themselves.
+
+A sampler goes ``new`` -> ``syncing`` (the publisher pushes the current weights) -> ``ready``
+(the dispatcher may give it work). One that fails a call is ``suspect``; one that stays
+unreachable for ``services.sampler_timeout_s`` is dropped and its in-flight prompts are
+re-dispatched by the dispatcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitrl.config import ServicesConfig
+from splitrl.serving import make_channel
+from splitrl.v1 import sampler_pb2, sampler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+NEW, SYNCING, READY, SUSPECT = "new", "syncing", "ready", "suspect"
+
+
+@dataclass
+class SamplerHandle:
+    address: str
+    source: str
+    channel: grpc.Channel
+    stub: sampler_pb2_grpc.SamplerStub
+    state: str = NEW
+    sampler_id: str = ""
+    info: sampler_pb2.SamplerInfo | None = None
+    weight_version: int = -1
+    inflight: int = 0
+    last_ok: float = field(default_factory=time.monotonic)
+    failures: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.info.max_batch_size if self.info is not None else 1
+
+    def label(self) -> str:
+        return self.sampler_id or self.address
+
+
+def resolve_dns(name_port: str) -> list[str]:
+    """All addresses ``host:port`` resolves to (IPv4 first), as ``ip:port`` strings."""
+    host, _, port = name_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"services.sampler_dns: expected NAME:PORT, got {name_port!r}")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    out = []
+    for family, _, _, _, sockaddr in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
+        ip = sockaddr[0]
+        addr = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+        if addr not in out:
+            out.append(addr)
+    return out
+
+
+class SamplerPool:
+    """Thread-safe registry of samplers with a background refresher."""
+
+    def __init__(
+        self,
+        services: ServicesConfig,
+        *,
+        max_message_bytes: int,
+        on_join: Callable[[SamplerHandle], None] | None = None,
+        on_leave: Callable[[SamplerHandle, str], None] | None = None,
+    ):
+        self._cfg = services
+        self._max_message_bytes = max_message_bytes
+        self._lock = threading.RLock()
+        self._samplers: dict[str, SamplerHandle] = {}
+        self._on_join = on_join or (lambda h: None)
+        self._on_leave = on_leave or (lambda h, why: None)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.joined = 0
+        self.left = 0
+
+    # -- membership -----------------------------------------------------------------------
+
+    def add(self, address: str, source: str, sampler_id: str = "") -> SamplerHandle:
+        with self._lock:
+            handle = self._samplers.get(address)
+            if handle is not None:
+                handle.last_ok = time.monotonic()
+                if sampler_id:
+                    handle.sampler_id = sampler_id
+                return handle
+            channel = make_channel(address, self._max_message_bytes, self._cfg.auth)
+            handle = SamplerHandle(
+                address=address,
+                source=source,
+                channel=channel,
+                stub=sampler_pb2_grpc.SamplerStub(channel),
+                sampler_id=sampler_id,
+            )
+            self._samplers[address] = handle
+        log.info("sampler discovered", extra={"address": address, "source": source})
+        return handle
+
+    def get(self, address: str) -> SamplerHandle | None:
+        with self._lock:
+            return self._samplers.get(address)
+
+    def remove(self, handle: SamplerHandle, why: str) -> None:
+        with self._lock:
+            if self._samplers.get(handle.address) is not handle:
+                return
+            del self._samplers[handle.address]
+            self.left += 1
+        handle.channel.close()
+        log.warning("sampler dropped", extra={"address": handle.address, "why": why})
+        self._on_leave(handle, why)
+
+    def all(self) -> list[SamplerHandle]:
+        with self._lock:
+            return list(self._samplers.values())
+
+    def ready(self) -> list[SamplerHandle]:
+        return [h for h in self.all() if h.state == READY]
+
+    def report_failure(self, handle: SamplerHandle, error: Exception | str) -> None:
+        """A call to ``handle`` failed: stop giving it work until a probe succeeds."""
+        with self._lock:
+            handle.failures += 1
+            if handle.state == READY:
+                handle.state = SUSPECT
+        log.warning("sampler call failed", extra={"address": handle.address, "error": str(error)})
+
+    def report_ok(self, handle: SamplerHandle) -> None:
+        with self._lock:
+            handle.last_ok = time.monotonic()
+            handle.failures = 0
+
+    # -- probing --------------------------------------------------------------------------
+
+    def _probe(self, handle: SamplerHandle) -> None:
+        try:
+            info = handle.stub.GetInfo(sampler_pb2.GetInfoRequest(), timeout=5.0)
+        except grpc.RpcError as e:
+            if time.monotonic() - handle.last_ok > self._cfg.sampler_timeout_s:
+                self.remove(handle, f"unreachable for {self._cfg.sampler_timeout_s:.0f}s: "
+                                    f"{e.code().name}")
+            elif handle.state == READY:
+                self.report_failure(handle, e.code().name)
+            return
+        joined = False
+        with self._lock:
+            handle.info = info
+            handle.sampler_id = info.sampler_id or handle.sampler_id
+            handle.weight_version = info.weight_version
+            handle.last_ok = time.monotonic()
+            if handle.state == NEW:
+                handle.state = SYNCING
+                self.joined += 1
+                joined = True
+            elif handle.state == SUSPECT:
+                handle.state = READY
+        if joined:
+            log.info("sampler joined", extra={"address": handle.address, "id": info.sampler_id})
+            self._on_join(handle)
+
+    def refresh(self) -> None:
+        """Resolve DNS, probe every sampler, drop the dead ones, announce the new ones."""
+        for address in self._cfg.sampler_addresses:
+            self.add(address, "static")
+        if self._cfg.sampler_dns:
+            for address in resolve_dns(self._cfg.sampler_dns):
+                self.add(address, "dns")
+        for handle in self.all():
+            self._probe(handle)
+
+    def mark_ready(self, handle: SamplerHandle, version: int) -> None:
+        with self._lock:
+            handle.weight_version = version
+            if handle.state in (SYNCING, NEW, SUSPECT):
+                handle.state = READY
+
+    def start(self, interval_s: float | None = None) -> None:
+        interval = interval_s or self._cfg.heartbeat_s
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.refresh()
+                except Exception:  # a refresh must never kill the trainer
+                    log.exception("sampler refresh failed")
+                self._stop.wait(interval)
+
+        self._thread = threading.Thread(target=loop, name="sampler-pool", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        for handle in self.all():
+            handle.channel.close()

@@ -1,0 +1,91 @@
+"""``splitrl plot RUN_DIR``: a run's curves from ``metrics.jsonl`` to ``RUN_DIR/plots/*.png``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PANELS = [
+    ("reward", ["reward/mean"], "mean total reward"),
+    ("accuracy", ["accuracy/mean", "eval_before/accuracy", "eval_after/accuracy"], "accuracy"),
+    ("kl", ["kl"], "KL to reference"),
+    ("loss", ["loss", "policy_loss"], "loss"),
+    ("entropy", ["entropy"], "entropy (nats/token)"),
+    ("staleness", ["staleness/mean", "staleness/max"], "versions behind"),
+    ("throughput", ["throughput/tokens_per_s"], "completion tokens / s"),
+    ("time", ["time/wait_rollouts_s", "time/train_s", "time/push_s"], "seconds per step"),
+]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a SplitRL run directory?")
+    records = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            records.append(json.loads(line))
+    return records
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    out_dir = Path(run_dir) / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    panels = [(n, [k for k in keys if any(k in r for r in records)], label)
+              for n, keys, label in PANELS]
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        return written
+    cols = 2
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
+    for ax, (name, keys, label) in zip(axes.flat, panels, strict=False):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            xs, ys = zip(*points, strict=True)
+            style = "o" if len(points) <= 2 else "-"
+            ax.plot(xs, ys, style, label=key)
+        ax.set_title(label)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        single, single_ax = plt.subplots(figsize=(6, 3.5))
+        for line in ax.get_lines():
+            single_ax.plot(line.get_xdata(), line.get_ydata(), line.get_linestyle() or "-",
+                           marker=line.get_marker(), label=line.get_label())
+        single_ax.set_title(label)
+        single_ax.set_xlabel("step")
+        single_ax.grid(alpha=0.3)
+        single_ax.legend(fontsize=7)
+        single.tight_layout()
+        path = out_dir / f"{name}.png"
+        single.savefig(path, dpi=90)
+        plt.close(single)
+        written.append(path)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    overview = out_dir / "overview.png"
+    fig.savefig(overview, dpi=90)
+    plt.close(fig)
+    return [overview, *written]
+
+
+def main(run_dir: str) -> int:
+    try:
+        written = plot_run(run_dir)
+    except FileNotFoundError as e:
+        print(f"splitrl plot: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0

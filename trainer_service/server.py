@@ -1,0 +1,170 @@
+"""The trainer process: the run loop plus a gRPC server for ``Status`` and sampler membership.
+
+``splitrl trainer --config FILE [a.b=c ...]`` calls :func:`main`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+import grpc
+from prometheus_client import Gauge
+
+from splitrl.config import Config
+from splitrl.logs import configure_logging
+from splitrl.metrics import start_metrics_server
+from splitrl.serving import start_server
+from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitrl.v1.Trainer"
+PROTECTED = {f"/{SERVICE_NAME}/RegisterSampler", f"/{SERVICE_NAME}/Heartbeat"}
+
+STEP = Gauge("splitrl_trainer_step", "Train steps done")
+VERSION = Gauge("splitrl_trainer_weight_version", "Weight version of the policy")
+REWARD = Gauge("splitrl_trainer_reward_mean", "Mean total reward of the last step's groups")
+ACCURACY = Gauge("splitrl_trainer_accuracy_mean", "Mean accuracy reward of the last step")
+SAMPLERS = Gauge("splitrl_trainer_samplers_ready", "Samplers ready for work")
+TOKENS_PER_S = Gauge("splitrl_trainer_tokens_per_second", "Completion tokens trained per second")
+WAIT_S = Gauge("splitrl_trainer_wait_rollouts_seconds", "Time the last step waited for rollouts")
+
+
+def _valid_address(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self, run):
+        self.run = run
+
+    def Status(self, request, context):
+        status = self.run.status
+        now = time.monotonic()
+        samplers = [
+            trainer_pb2.SamplerStatus(
+                sampler_id=h.sampler_id,
+                address=h.address,
+                weight_version=h.weight_version,
+                healthy=h.state == "ready",
+                inflight_prompts=h.inflight,
+                last_seen_s=now - h.last_ok,
+            )
+            for h in self.run.pool.all()
+        ]
+        return trainer_pb2.StatusReply(
+            run_id=self.run.cfg.run_name,
+            state=status.state,
+            step=status.step,
+            total_steps=status.total_steps,
+            weight_version=status.version,
+            samplers=samplers,
+            tokens_per_second=status.tokens_per_s,
+            steps_per_second=status.steps_per_s,
+            data_cursor_json=json.dumps(status.data_cursor),
+            last_metrics={k: float(v) for k, v in status.last_metrics.items()},
+        )
+
+    def RegisterSampler(self, request, context):
+        if not _valid_address(request.address):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"address: expected HOST:PORT reachable from the trainer, got {request.address!r}",
+            )
+        self.run.pool.add(request.address, "registered", request.sampler_id)
+        return trainer_pb2.RegisterSamplerReply(
+            accepted=True,
+            heartbeat_interval_s=self.run.cfg.services.heartbeat_s,
+            weight_version=self.run.version,
+        )
+
+    def Heartbeat(self, request, context):
+        handle = self.run.pool.get(request.address)
+        if handle is not None:
+            self.run.pool.report_ok(handle)
+        return trainer_pb2.HeartbeatReply(known=handle is not None,
+                                          weight_version=self.run.version)
+
+
+def _progress_bar(total: int, initial: int):
+    """A console progress bar when a person is watching (stderr is a terminal)."""
+    if not sys.stderr.isatty():
+        return None, lambda step, metrics: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(step, metrics):
+        bar.n = step
+        bar.set_postfix(
+            reward=f"{metrics.get('reward/mean', 0):.3f}",
+            acc=f"{metrics.get('accuracy/mean', 0):.3f}",
+            samplers=int(metrics.get("samplers/ready", 0)),
+            refresh=True,
+        )
+
+    return bar, update
+
+
+def _export_metrics(step: int, metrics: dict) -> None:
+    STEP.set(step)
+    REWARD.set(metrics.get("reward/mean", 0.0))
+    ACCURACY.set(metrics.get("accuracy/mean", 0.0))
+    SAMPLERS.set(metrics.get("samplers/ready", 0.0))
+    TOKENS_PER_S.set(metrics.get("throughput/tokens_per_s", 0.0))
+    WAIT_S.set(metrics.get("time/wait_rollouts_s", 0.0))
+
+
+def main(cfg: Config) -> int:
+    configure_logging("trainer", cfg.run_name)
+    try:
+        from splitrl.distributed import maybe_initialize
+    except ImportError:  # pragma: no cover - single-process builds
+        maybe_initialize = None
+    if maybe_initialize is not None:
+        maybe_initialize(cfg)
+    from trainer_service.run import TrainerRun
+
+    run = TrainerRun(cfg)
+    port = cfg.services.trainer_address.rsplit(":", 1)[1]
+    server = start_server(
+        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(run), s),
+        f"{cfg.services.host}:{port}",
+        service_names=[SERVICE_NAME],
+        auth=cfg.services.auth,
+        protected_methods=PROTECTED,
+    )
+    start_metrics_server(cfg.services.metrics_port)
+
+    def on_signal(signum, _frame):
+        log.warning("signal received; stopping after the current step",
+                    extra={"signal": signal.Signals(signum).name})
+        run.stop_event.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    bar, update = _progress_bar(cfg.trainer.steps, run.step)
+
+    def progress(step, metrics):
+        VERSION.set(run.version)
+        _export_metrics(step, metrics)
+        update(step, metrics)
+
+    try:
+        summary = run.run(progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+        threading.Thread(target=server.stop, args=(5.0,), daemon=True).start()
+    log.info("run finished", extra={"state": run.status.state, **summary})
+    if "eval_before/accuracy" in summary or "eval_after/accuracy" in summary:
+        before = summary.get("eval_before/accuracy", float("nan"))
+        after = summary.get("eval_after/accuracy", float("nan"))
+        print(f"greedy accuracy: {before:.3f} -> {after:.3f}", flush=True)
+    return 0 if run.status.state in ("done", "stopped") else 1
