@@ -122,10 +122,17 @@ class RewardConfig:
     timeout_s: float = 5.0
     max_items_per_request: int = 4096
     max_request_bytes: int = 64 * 1024 * 1024
+    # A worker whose item overruns its time limit by this much is killed and replaced.
+    kill_grace_s: float = 0.5
+    # Address-space limit per scoring worker (MiB; None = unlimited): a runaway computation
+    # fails with MemoryError instead of exhausting the host.
+    worker_memory_mb: int | None = 4096
 
     def __post_init__(self):
         _check_positive("reward.workers", self.workers)
         _check_positive("reward.timeout_s", self.timeout_s)
+        _check_positive("reward.kill_grace_s", self.kill_grace_s)
+        _check_positive("reward.worker_memory_mb", self.worker_memory_mb)
 
 
 @dataclass

@@ -1,0 +1,113 @@
+"""``math_accuracy``: is the completion's final answer mathematically equal to the reference?
+
+Both sides go through math-verify (LaTeX and plain-expression extraction, symbolic and numeric
+comparison). The reference may be
+
+- a GSM8K solution ending ``#### N`` (thousands separators stripped: ``1,080`` -> ``1080``),
+- a MATH solution containing ``\\boxed{...}`` (the last box is the answer),
+- or a plain value (``72``, ``\\frac{\\pi}{2}``, ``(3, \\frac{\\pi}{2})``).
+
+In the completion the last ``\\boxed{}`` wins; failing that, the text after a final ``####``;
+failing that, the last expression math-verify can extract. Only the last ``max_chars``
+characters of a completion are read (the answer is at the end; a megabyte of text is not
+parsed). math-verify's own ``signal.alarm`` timeouts are switched off: they would cancel the
+worker's per-item timer, which enforces the time limit instead (see ``reward_service.pool``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+from math_verify import (
+    ExprExtractionConfig,
+    LatexExtractionConfig,
+    LatexNormalizationConfig,
+    parse,
+    verify,
+)
+
+from reward_service.registry import RewardValue, register
+
+# Timeouts are enforced by the worker; do not warn about math-verify's being off.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+_NORMALIZATION = LatexNormalizationConfig(
+    basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="last",
+    equations=False,
+)
+_EXTRACTION = (
+    LatexExtractionConfig(boxed_match_priority=0, normalization_config=_NORMALIZATION),
+    ExprExtractionConfig(),
+)
+# 1,080 or 12,345,678 but not 1,2 or 3.1,415.
+_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def strip_thousands(text: str) -> str:
+    """``1,080`` -> ``1080`` wherever a number is written with thousands separators."""
+    return _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), text)
+
+
+def _parse(text: str) -> list:
+    return parse(text, _EXTRACTION, parsing_timeout=None)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse_reference(reference: str) -> tuple:
+    """The parsed gold answer (cached: a group of completions shares one reference)."""
+    ref = reference.strip()
+    if "####" in ref:
+        ref = ref.rsplit("####", 1)[1].strip().replace(",", "")
+        text = "\\boxed{" + ref + "}"
+    elif _BOXED.search(ref):
+        text = ref
+    else:
+        if _THOUSANDS.fullmatch(ref):
+            ref = ref.replace(",", "")
+        text = "\\boxed{" + ref + "}"
+    if not ref:
+        raise ValueError("empty reference")
+    gold = _parse(text)
+    if not gold:
+        raise ValueError(f"cannot parse reference {ref[:80]!r}")
+    return tuple(gold)
+
+
+def extract_answer(completion: str, max_chars: int) -> list:
+    """math-verify's parse of the completion's final answer ([] when there is none)."""
+    text = completion[-max_chars:]
+    if not _BOXED.search(text) and "####" in text:
+        text = strip_thousands(text.rsplit("####", 1)[1])
+    return _parse(text)
+
+
+def _shown(parsed: list) -> str:
+    # parse() returns [sympy object, matched string]; never str() the sympy object (it can be
+    # astronomically large, e.g. 9^{9^{9^{9}}}), show the matched text.
+    text = next((p for p in reversed(parsed) if isinstance(p, str)), "?")
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@register("math_accuracy", "1 if the final answer (last \\boxed{}, '#### N' or expression) "
+          "equals the reference by math-verify, else 0.")
+def make_math_accuracy(max_chars: int = 20_000):
+    if max_chars <= 0:
+        raise ValueError(f"max_chars must be > 0, got {max_chars}")
+
+    def math_accuracy(prompts, completions, references, **_):
+        scores = []
+        for completion, reference in zip(completions, references, strict=True):
+            gold = list(parse_reference(reference))
+            pred = extract_answer(completion, max_chars)
+            if not pred:
+                scores.append(RewardValue.zero("no answer found"))
+            elif verify(gold, pred, timeout_seconds=None):
+                scores.append(1.0)
+            else:
+                scores.append(RewardValue.zero(f"wrong answer {_shown(pred)!r}"))
+        return scores
+
+    return math_accuracy
