@@ -137,8 +137,13 @@ class RolloutBuffer:
         filter_zero_variance: bool = False,
         timeout_s: float | None = None,
         should_stop: Callable[[], bool] = lambda: False,
+        while_waiting: Callable[[], None] = lambda: None,
     ) -> list[RolloutGroup]:
-        """The ``n`` oldest usable groups; blocks until there are that many."""
+        """The ``n`` oldest usable groups; blocks until there are that many.
+
+        ``while_waiting`` runs between waits (the trainer tops up the prompts in flight there,
+        e.g. after groups were dropped as stale or filtered).
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
@@ -156,3 +161,4 @@ class RolloutBuffer:
                         f"waited {timeout_s:.0f}s for {n} rollout groups, have {len(self._groups)}"
                     )
                 self._cond.wait(timeout=0.5)
+                while_waiting()

@@ -100,6 +100,7 @@ class TrainerRun:
         )
         self.version = 0
         self.step = 0
+        self.drawn = 0  # prompts drawn from the data so far: makes every work item's uid unique
         self._params_lock = threading.Lock()
 
         self.pool = SamplerPool(
@@ -149,6 +150,7 @@ class TrainerRun:
         meta = restored
         self.step = int(meta["step"])
         self.version = int(meta["version"])
+        self.drawn = int(meta["drawn"])
         self.data.load_state_dict(meta["data_cursor"])
         unfinished = [WorkItem.from_json(d) for d in meta.get("unfinished", [])]
         self.dispatcher.submit(unfinished)
@@ -163,6 +165,7 @@ class TrainerRun:
             "step": self.step,
             "version": self.version,
             "data_cursor": self.data.state_dict(),
+            "drawn": self.drawn,
             "unfinished": unfinished,
             "rng": {"seed": self.cfg.trainer.seed, "step": self.step},
         }
@@ -174,15 +177,17 @@ class TrainerRun:
         """Keep (1 + max_staleness) steps of prompts queued or in flight."""
         tcfg = self.cfg.trainer
         target = (1 + tcfg.max_staleness) * tcfg.prompts_per_step
-        # Prompts for steps beyond the end of the run are not drawn.
-        remaining = (tcfg.steps - self.step) * tcfg.prompts_per_step
-        want = min(target, remaining) - self.dispatcher.outstanding() - len(self.buffer)
+        if not self.cfg.algorithm.filter_zero_variance:
+            # Prompts for steps beyond the end of the run are not drawn. (Dynamic sampling
+            # over-samples instead: filtered prompts must be replaced.)
+            target = min(target, (tcfg.steps - self.step) * tcfg.prompts_per_step)
+        want = target - self.dispatcher.outstanding() - len(self.buffer)
         if want > 0:
             rows = self.data.next_batch(want)
-            epoch = self.data.state_dict().get("epoch", 0)
-            self.dispatcher.submit(
-                [WorkItem(uid=f"{r['prompt_id']}@{epoch}", row=r) for r in rows]
-            )
+            items = [WorkItem(uid=f"{r['prompt_id']}#{self.drawn + i}", row=r)
+                     for i, r in enumerate(rows)]
+            self.drawn += len(rows)
+            self.dispatcher.submit(items)
 
     def _wait_for_samplers(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -233,6 +238,7 @@ class TrainerRun:
         groups = self.buffer.take(
             tcfg.prompts_per_step, self.version, tcfg.max_staleness,
             should_stop=self.stop_event.is_set,
+            while_waiting=self._feed,
         )
         t_rollouts = time.monotonic()
         batch = build_train_batch(groups, self.cfg.algorithm, pad_id=self.pad_id)
@@ -265,6 +271,8 @@ class TrainerRun:
         self.trained_file.write(json.dumps({
             "step": self.step, "uids": [g.item.uid for g in groups],
             "versions": [g.weight_version for g in groups],
+            "samplers": [g.sampler_id for g in groups],
+            "trainer_version": self.version - 1,
         }) + "\n")
         self.trained_file.flush()
         if self.step % tcfg.checkpoint.every == 0:

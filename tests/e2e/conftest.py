@@ -1,0 +1,21 @@
+"""Fixtures for the end-to-end runs: tiny checkpoints made by `splitrl init-model`."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitrl.init_model import init_model
+
+
+@pytest.fixture(scope="session")
+def arith_model(tmp_path_factory):
+    """The demo's tiny Qwen2 with a character vocabulary (what `make demo` creates)."""
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-arith", family="qwen2",
+                      preset="tiny", vocab="arithmetic", seed=0)
+
+
+@pytest.fixture(scope="session")
+def gsm8k_model(tmp_path_factory, shared_data):
+    """A tiny Qwen2 with the default byte-level vocabulary (arithmetic + GSM8K text)."""
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-default", family="qwen2",
+                      preset="tiny", vocab="default", seed=0)

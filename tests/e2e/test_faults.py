@@ -1,0 +1,122 @@
+"""Nothing is lost: a sampler killed with SIGKILL, a sampler joining mid-run, a trainer killed
+and restarted from its checkpoint, and the staleness bound of asynchronous training."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+import pytest
+
+from tests.e2e.harness import (
+    log_records,
+    run_config,
+    status_step,
+    tail,
+    trained_records,
+    wait_exit,
+    wait_for,
+)
+from trainer_service.launcher import Launcher
+
+pytestmark = pytest.mark.slow
+
+FAST = ("trainer.eval_before=false", "trainer.eval_after=false")
+
+
+def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path):
+    run_dir = tmp_path / "run"
+    steps, per_step = 24, 16
+    cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
+                     f"trainer.prompts_per_step={per_step}", "trainer.checkpoint.every=100",
+                     *FAST)
+    launcher = Launcher(cfg)
+    try:
+        launcher.up()
+        wait_for(lambda: status_step(launcher) >= 4, 300, "step 4", launcher)
+        victim = launcher.procs["sampler-0"]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait()
+        wait_for(lambda: status_step(launcher) >= 8, 300, "step 8 after the kill", launcher)
+        # A sampler started mid-run registers itself, receives the weights, then gets work.
+        newcomer = launcher.start_sampler(2)
+        code = wait_exit(launcher, "trainer", 600)
+        assert code == 0, tail(launcher.log_dir / "trainer.log")
+    finally:
+        launcher.stop()
+
+    records = trained_records(run_dir)
+    uids = [u for r in records for u in r["uids"]]
+    duplicates = [u for u, n in Counter(uids).items() if n > 1]
+    assert not duplicates, f"prompts trained twice: {duplicates}"
+    assert len(uids) == steps * per_step, "every prompt of the run is trained on exactly once"
+    assert sorted(int(u.rsplit("#", 1)[1]) for u in uids) == list(range(steps * per_step))
+
+    by_sampler = Counter(s for r in records for s in r["samplers"])
+    assert any(newcomer.endswith(s.rsplit(":", 1)[-1]) or s == newcomer for s in by_sampler), (
+        f"the sampler started mid-run got no work: {by_sampler}"
+    )
+    trainer_log = log_records(launcher.log_dir / "trainer.log")
+    assert any(r.get("msg") == "sampler dropped" for r in trainer_log)
+    assert any(r.get("msg") == "sampler synced" and r.get("ok") and
+               r.get("address", "").endswith(newcomer.rsplit(":", 1)[1]) for r in trainer_log)
+
+
+def test_trainer_killed_resumes_from_checkpoint(arith_model, tmp_path):
+    run_dir = tmp_path / "run"
+    steps, per_step, every = 16, 16, 6
+    cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
+                     f"trainer.prompts_per_step={per_step}",
+                     f"trainer.checkpoint.every={every}", "trainer.checkpoint.async_save=false",
+                     *FAST)
+    launcher = Launcher(cfg)
+    try:
+        launcher.up()
+        wait_for(lambda: status_step(launcher) >= every + 2, 300, "a step after the checkpoint",
+                 launcher)
+        trainer = launcher.procs["trainer"]
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        before_kill = trained_records(run_dir)
+        launcher.start("trainer", "trainer",
+                       ["services.sampler_addresses=[" + ",".join(launcher.sampler_addresses)
+                        + "]"], 4)
+        code = wait_exit(launcher, "trainer", 600)
+        assert code == 0, tail(launcher.log_dir / "trainer.log")
+    finally:
+        launcher.stop()
+
+    logs = log_records(launcher.log_dir / "trainer.log")
+    resumed = [r for r in logs if r.get("msg") == "resumed from checkpoint"]
+    assert resumed and resumed[-1]["step"] == every and resumed[-1]["version"] == every
+    # The samplers were rolled back to the checkpointed weights and version.
+    synced = [r for r in logs if r.get("msg") == "sampler synced" and r.get("ok")]
+    assert {r["version"] for r in synced} >= {every}
+    # Training continued from the checkpointed step and data position: the final lineage
+    # (steps <= checkpoint from before the kill, the rest after the restart) trains every
+    # drawn prompt exactly once, in the order it was drawn.
+    records = trained_records(run_dir)
+    after = records[len(before_kill):]
+    assert after[0]["step"] == every + 1 and after[-1]["step"] == steps
+    lineage = [r for r in before_kill if r["step"] <= every] + after
+    uids = [u for r in lineage for u in r["uids"]]
+    assert len(uids) == len(set(uids)) == steps * per_step
+    redone = {u for r in before_kill if r["step"] > every for u in r["uids"]}
+    assert redone <= {u for r in after for u in r["uids"]}, "lost steps were trained again"
+
+
+def test_async_staleness_is_bounded(arith_model, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = run_config(arith_model, run_dir, "trainer.steps=16", "trainer.max_staleness=1",
+                     "trainer.checkpoint.every=100", *FAST)
+    launcher = Launcher(cfg)
+    try:
+        launcher.up()
+        assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
+    finally:
+        launcher.stop()
+    records = trained_records(run_dir)
+    staleness = [r["trainer_version"] - v for r in records for v in r["versions"]]
+    assert max(staleness) <= 1 and min(staleness) >= 0
+    print(f"staleness histogram: {Counter(staleness)}")
