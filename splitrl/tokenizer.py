@@ -2,12 +2,19 @@
 
 No hub is reachable here, so the tiny checkpoints carry their own tokenizer. Two kinds:
 
-- **byte-level BPE** (`train_bpe_tokenizer`): covers any text; digits are always split into
-  single tokens (pre-tokenizer `Digits(individual_digits=True)`) so arithmetic is learnable.
+- **byte-level BPE** (`train_bpe_tokenizer`): covers any text; digits are always single tokens
+  so arithmetic is learnable.
 - **character vocabulary** (`train_char_tokenizer`): a BPE model with no merges over the
   characters of the training text, anything else mapped to `<unk>`. A random tiny model has to
   hit the answer token by chance to get any GRPO signal, so the arithmetic task uses this
-  (~16 tokens instead of 512).
+  (16 tokens instead of 512).
+
+Both use Qwen2's text pipeline (NFC, its pre-tokenization regex, which isolates every digit, and
+byte-level symbols). That is deliberate: for a `qwen2` checkpoint `transformers` 5 ignores the
+pipeline in tokenizer.json and rebuilds that one around the saved vocabulary and merges, so any
+other pipeline would tokenize differently in transformers than in `tokenizers`. With this one
+they agree for every family (except that Qwen2's rebuild drops characters outside a character
+vocabulary instead of mapping them to `<unk>`).
 
 Both have the ChatML special tokens `<|endoftext|>` (eos and pad), `<|im_start|>`, `<|im_end|>`
 and a ChatML `chat_template` in `tokenizer_config.json`. Helpers the services share:
@@ -22,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -40,6 +47,21 @@ CHAT_TEMPLATE = (
 
 DEFAULT_MODEL_MAX_LENGTH = 4096
 
+# Qwen2's pre-tokenization: contractions, letter runs (with one leading non-letter), single
+# digits (`\p{N}` alone: numbers are always split into digits), punctuation runs, whitespace.
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _byte_level_pipeline(tok: Tokenizer) -> Tokenizer:
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
 
 def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *,
                         vocab_size: int = 512, min_frequency: int = 2) -> Path:
@@ -52,12 +74,7 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *,
     if vocab_size < n_base:
         raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level BPE "
                          f"(needs >= {n_base}: 256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
+    tok = _byte_level_pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
@@ -72,13 +89,16 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *,
 def train_char_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike) -> Path:
     """Saves a character vocabulary of the characters in `texts` to `out_dir`.
 
-    Ids: the special tokens, then `<unk>`, then the characters in sorted order. It is a BPE
-    model with no merges, so every known character is one token and any other is `<unk>`.
+    Ids: the special tokens, then `<unk>`, then the characters (as byte-level symbols, so a
+    space is 'Ġ'; a non-ASCII character is several byte symbols) in sorted order. It is a BPE
+    model with no merges: every known character is one token and any other byte is `<unk>`.
     """
-    chars = sorted({c for text in texts for c in text})
-    vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, UNK_TOKEN, *chars))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
-    tok.decoder = decoders.Fuse()
+    normalize = normalizers.NFC().normalize_str
+    to_symbols = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    chars = {c for text in texts for c in normalize(text)}
+    symbols = sorted({s for c in chars for s in to_symbols.pre_tokenize_str(c)[0][0]})
+    vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, UNK_TOKEN, *symbols))}
+    tok = _byte_level_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN)))
     tok.add_special_tokens([*SPECIAL_TOKENS, UNK_TOKEN])
     return _save(tok, out_dir, unk_token=UNK_TOKEN)
 
