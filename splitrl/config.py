@@ -291,11 +291,19 @@ class SamplerConfig:
     mesh: MeshConfig = field(
         default_factory=lambda: MeshConfig(axes={"tensor": -1}, strategy="tp")
     )
+    # Reported in GetInfo and every ScoredGroup; "" = advertised host:port.
+    sampler_id: str = ""
+    # Deadline of one Score call to the reward service.
+    reward_timeout_s: float = 120.0
+    # On SIGTERM: how long in-flight calls may take to finish before the server exits.
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self):
         _check_positive("sampler.max_batch_size", self.max_batch_size)
         _check_positive("sampler.max_sequence_length", self.max_sequence_length)
         _check_positive("sampler.max_chunk_bytes", self.max_chunk_bytes)
+        _check_positive("sampler.reward_timeout_s", self.reward_timeout_s)
+        _check_positive("sampler.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
 
 
 @dataclass

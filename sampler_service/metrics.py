@@ -1,0 +1,39 @@
+"""Prometheus collectors of the sampler service (served by ``splitrl.metrics``).
+
+Defined once per process at import (the default registry refuses duplicates), so several
+servicers in one test process share them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+TOKENS_GENERATED = Counter(
+    "splitrl_sampler_tokens_generated_total", "Completion tokens generated.")
+SEQUENCES_GENERATED = Counter(
+    "splitrl_sampler_sequences_generated_total", "Completions generated.")
+TOKENS_PER_SECOND = Gauge(
+    "splitrl_sampler_tokens_per_second", "Completion tokens per second of the last engine call.")
+BATCH_OCCUPANCY = Gauge(
+    "splitrl_sampler_batch_occupancy",
+    "Real rows / padded rows of the last engine call (1.0 = no padding waste).")
+GENERATE_SECONDS = Histogram(
+    "splitrl_sampler_generate_seconds", "Seconds per engine call.",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+QUEUE_SECONDS = Histogram(
+    "splitrl_sampler_queue_seconds", "Seconds a request waited for the engine.",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
+SCORE_SECONDS = Histogram(
+    "splitrl_sampler_score_seconds", "Seconds per reward-service Score call.",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120))
+WEIGHT_VERSION = Gauge("splitrl_sampler_weight_version", "Weight version now serving.")
+PUSH_SECONDS = Histogram(
+    "splitrl_sampler_push_seconds", "Seconds from push header to swap.",
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+PUSH_SWAP_SECONDS = Histogram(
+    "splitrl_sampler_push_swap_seconds", "Seconds the swap held the weights lock.",
+    buckets=(1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1))
+PUSH_BYTES = Counter("splitrl_sampler_push_bytes_total", "Weight bytes received in applied pushes.")
+PUSHES = Counter("splitrl_sampler_pushes_total", "Weight pushes by outcome.", ["code"])
+REQUESTS = Counter("splitrl_sampler_requests_total", "RPCs by method and status.",
+                   ["method", "code"])

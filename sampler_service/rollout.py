@@ -1,0 +1,402 @@
+"""Request handling behind the sampler's RPCs: validate, encode, generate, score, answer.
+
+:class:`RolloutWorker` turns ``Prompt`` / ``SamplingParams`` messages into engine calls and
+engine results into ``Completion`` / ``ScoredGroup`` messages. Every malformed field raises
+:class:`RequestError` (INVALID_ARGUMENT naming the field, the value and the expectation).
+
+Sampling parameters follow ``common.proto``: ``temperature`` 0 = greedy (or ``greedy``),
+``top_k`` 0 = off, ``top_p`` 0 or 1 = off, ``max_new_tokens`` 0 = ``sampling.max_new_tokens``
+from the config, empty ``stop_token_ids`` = the config's, ``has_seed`` false = a fresh random
+seed per request (so two requests never repeat each other's samples).
+
+Engine calls are serialised (one batch on the mesh at a time); each call takes a weight
+snapshot, and every group reports the version it was generated with. A Rollout runs its
+prompts in engine-sized slices and scores slice k on the reward service while slice k+1
+generates, streaming groups as they are scored.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sampler_service import metrics
+from sampler_service.sampling import SamplingOptions
+from sampler_service.weights import WeightStore
+from splitrl.config import SamplingConfig
+from splitrl.serving import make_channel
+from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
+
+log = logging.getLogger(__name__)
+
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT
+MAX_TEMPERATURE = 100.0
+
+
+class RequestError(Exception):
+    """A request cannot be served; ``code`` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class PreparedPrompt:
+    prompt_id: str
+    token_ids: list[int]
+    text: str  # what the reward functions see as the prompt
+    reference: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class EngineResult:
+    version: int
+    sequences: list  # [prompt][sample] -> GeneratedSequence
+    queue_s: float
+    generate_s: float
+
+
+class RewardClient:
+    """``Reward.Score`` over one channel; a dead service becomes UNAVAILABLE with the address."""
+
+    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float = 5.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._channel = make_channel(address)
+        self._stub = reward_pb2_grpc.RewardStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def check_reachable(self) -> None:
+        """Fail fast (before generating) when the reward service is down or not serving."""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(),
+                                       timeout=self.connect_timeout_s)
+        except grpc.RpcError as e:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"reward service at {self.address} (services.reward_address) is unavailable "
+                f"({e.code().name}: {e.details()}); rollouts cannot be scored") from None
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"reward service at {self.address} is unavailable: its health status is "
+                f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+
+    def score(self, items: list[reward_pb2.ScoreItem],
+              functions: Sequence[str]) -> dict[str, reward_pb2.ItemScore]:
+        start = time.perf_counter()
+        try:
+            reply = self._stub.Score(
+                reward_pb2.ScoreRequest(items=items, functions=list(functions)),
+                timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"reward service at {self.address} is unavailable ({code.name}: "
+                    f"{e.details()}); rollouts cannot be scored") from None
+            raise RequestError(code, f"reward service at {self.address} refused the Score "
+                               f"call: {code.name}: {e.details()}") from None
+        finally:
+            metrics.SCORE_SECONDS.observe(time.perf_counter() - start)
+        scores = {s.item_id: s for s in reply.scores}
+        missing = [i.item_id for i in items if i.item_id not in scores]
+        if missing:
+            raise RequestError(grpc.StatusCode.INTERNAL,
+                               f"reward service at {self.address} returned no score for "
+                               f"{len(missing)} of {len(items)} items, e.g. {missing[:3]}")
+        return scores
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class RolloutWorker:
+    """Validation, prompt encoding, engine calls and scoring for the sampler servicer."""
+
+    def __init__(self, engine, weights: WeightStore, *, tokenizer, sampling: SamplingConfig,
+                 reward: RewardClient | None, sampler_id: str):
+        self.engine = engine
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.reward = reward
+        self.sampler_id = sampler_id
+        self.vocab_size = weights.config.vocab_size
+        self.max_batch_size = engine.max_batch_size
+        self.max_sequence_length = engine.max_sequence_length
+        self._engine_lock = threading.Lock()
+        self._scorer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="score")
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def sampling_options(self, params: common_pb2.SamplingParams,
+                         where: str = "sampling") -> SamplingOptions:
+        t = params.temperature
+        if not math.isfinite(t) or t < 0 or t > MAX_TEMPERATURE:
+            raise RequestError(_INVALID, f"{where}.temperature: expected 0 <= temperature <= "
+                               f"{MAX_TEMPERATURE:g} (0 = greedy), got {t!r}")
+        if params.top_k < 0:
+            raise RequestError(_INVALID, f"{where}.top_k: expected >= 0 (0 = off), got "
+                               f"{params.top_k}")
+        p = params.top_p
+        if not math.isfinite(p) or p < 0 or p > 1:
+            raise RequestError(_INVALID, f"{where}.top_p: expected 0 < top_p <= 1 (0 or 1 = "
+                               f"off), got {p!r}")
+        new = params.max_new_tokens or self.sampling.max_new_tokens
+        if new < 1 or new >= self.max_sequence_length:
+            raise RequestError(_INVALID, f"{where}.max_new_tokens: expected 1 <= max_new_tokens "
+                               f"< max_sequence_length {self.max_sequence_length}, got {new}")
+        stops = list(params.stop_token_ids) or list(self.sampling.stop_token_ids)
+        bad = [s for s in stops if not 0 <= s < self.vocab_size]
+        if bad:
+            raise RequestError(_INVALID, f"{where}.stop_token_ids: ids must be in [0, "
+                               f"{self.vocab_size}), got {bad[:5]}")
+        seed = int(params.seed) if params.has_seed else secrets.randbits(63)
+        return SamplingOptions(
+            temperature=float(t), top_k=min(int(params.top_k), self.vocab_size),
+            top_p=float(p) if 0 < p < 1 else 1.0, max_new_tokens=int(new),
+            stop_token_ids=tuple(stops), seed=seed, greedy=bool(params.greedy or t == 0))
+
+    def group_size(self, value: int, where: str, *, zero_means_one: bool = False) -> int:
+        if value == 0 and zero_means_one:
+            return 1
+        if not 1 <= value <= self.max_batch_size:
+            raise RequestError(_INVALID, f"{where}: expected 1 <= {where} <= the sampler's "
+                               f"max_batch_size {self.max_batch_size}, got {value}")
+        return value
+
+    def prepare(self, prompts: Sequence[common_pb2.Prompt], max_new_tokens: int,
+                where: str = "prompts") -> list[PreparedPrompt]:
+        if not prompts:
+            raise RequestError(_INVALID, f"{where}: expected at least one prompt, got none")
+        return [self._prepare_one(p, f"{where}[{i}]", str(i), max_new_tokens)
+                for i, p in enumerate(prompts)]
+
+    def _prepare_one(self, prompt: common_pb2.Prompt, where: str, default_id: str,
+                     max_new_tokens: int) -> PreparedPrompt:
+        kinds = [k for k, present in (("token_ids", bool(prompt.token_ids)),
+                                      ("text", bool(prompt.text)),
+                                      ("messages", bool(prompt.messages))) if present]
+        if len(kinds) != 1:
+            raise RequestError(_INVALID, f"{where}: set exactly one of token_ids, text or "
+                               f"messages, got {kinds or 'none (empty prompt)'}")
+        if kinds[0] == "token_ids":
+            ids = list(prompt.token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(_INVALID, f"{where}.token_ids: ids must be in [0, "
+                                   f"{self.vocab_size}) (the model's vocabulary), got {bad[:5]}")
+            text = self._decode(ids, skip_special=False)[0] if self.tokenizer else ""
+        else:
+            if self.tokenizer is None:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"{where}.{kinds[0]}: this sampler has no tokenizer (none in "
+                                   "model.path); send token_ids")
+            from splitrl.tokenizer import encode_prompt, render_prompt
+
+            messages = None
+            if kinds[0] == "messages":
+                for j, m in enumerate(prompt.messages):
+                    if not m.role:
+                        raise RequestError(_INVALID, f"{where}.messages[{j}].role: expected a "
+                                           "role (system, user, assistant), got ''")
+                messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+            text_in = prompt.text or None
+            try:
+                text = render_prompt(self.tokenizer, text_in, messages)
+                ids = encode_prompt(self.tokenizer, text_in, messages)
+            except ValueError as e:
+                raise RequestError(_INVALID, f"{where}: {e}") from None
+            if not ids:
+                raise RequestError(_INVALID, f"{where}.{kinds[0]}: encodes to no tokens")
+        if len(ids) + max_new_tokens > self.max_sequence_length:
+            raise RequestError(_INVALID, f"{where}: prompt of {len(ids)} tokens + max_new_tokens "
+                               f"{max_new_tokens} exceeds the sampler's max_sequence_length "
+                               f"{self.max_sequence_length}")
+        return PreparedPrompt(prompt.prompt_id or default_id, ids, text, prompt.reference,
+                              dict(prompt.metadata))
+
+    def check_min_version(self, min_version: int) -> None:
+        version = self.weights.version
+        if version < min_version:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"min_version is {min_version} but this sampler serves weight "
+                               f"version {version}; push newer weights first")
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def run_engine(self, prompts: list[PreparedPrompt], options: SamplingOptions,
+                   n: int) -> EngineResult:
+        queued = time.perf_counter()
+        with self._engine_lock:
+            start = time.perf_counter()
+            version, state = self.weights.snapshot()
+            try:
+                sequences = self.engine.generate(state, [p.token_ids for p in prompts],
+                                                 options, n=n)
+            except ValueError as e:  # the engine's own checks; ours should have caught it
+                raise RequestError(_INVALID, str(e)) from None
+            end = time.perf_counter()
+        tokens = sum(len(s.token_ids) for row in sequences for s in row)
+        metrics.QUEUE_SECONDS.observe(start - queued)
+        metrics.GENERATE_SECONDS.observe(end - start)
+        metrics.TOKENS_GENERATED.inc(tokens)
+        metrics.SEQUENCES_GENERATED.inc(len(prompts) * n)
+        metrics.TOKENS_PER_SECOND.set(tokens / (end - start) if end > start else 0.0)
+        stats = getattr(self.engine, "stats", None)
+        if stats:
+            metrics.BATCH_OCCUPANCY.set(stats.get("last_batch_occupancy", 0.0))
+        return EngineResult(version, sequences, start - queued, end - start)
+
+    def completion(self, seq) -> common_pb2.Completion:
+        text = self._decode(seq.token_ids)[0] if self.tokenizer else ""
+        return common_pb2.Completion(token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,
+                                     finish_reason=seq.finish_reason)
+
+    def generate(self, request: sampler_pb2.GenerateRequest) -> sampler_pb2.GenerateReply:
+        options = self.sampling_options(request.sampling)
+        n = self.group_size(request.n, "n", zero_means_one=True)
+        prompts = self.prepare(request.prompts, options.max_new_tokens)
+        result = self.run_engine(prompts, options, n)
+        outputs = [sampler_pb2.GeneratedPrompt(
+            prompt_id=p.prompt_id, prompt_token_ids=p.token_ids,
+            completions=[self.completion(s) for s in row])
+            for p, row in zip(prompts, result.sequences, strict=True)]
+        return sampler_pb2.GenerateReply(outputs=outputs, weight_version=result.version)
+
+    # -- rollout --------------------------------------------------------------------------------
+
+    def rollout(self, request: sampler_pb2.RolloutRequest) -> Iterator[sampler_pb2.ScoredGroup]:
+        options = self.sampling_options(request.sampling)
+        group = self.group_size(request.group_size, "group_size")
+        prompts = self.prepare(request.prompts, options.max_new_tokens)
+        self.check_min_version(request.min_version)
+        if self.reward is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this sampler has no reward service configured "
+                               "(services.reward_address)")
+        if self.tokenizer is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this sampler has no tokenizer (none in model.path); Rollout "
+                               "needs one to decode completions for the reward service")
+        self.reward.check_reachable()
+        per_call = max(1, self.max_batch_size // group)
+        pending = None
+        for lo in range(0, len(prompts), per_call):
+            part = prompts[lo : lo + per_call]
+            result = self.run_engine(part, options, group)
+            scoring = self._scorer.submit(self._score_part, request, part, result)
+            if pending is not None:
+                yield from pending.result()
+            pending = scoring
+        if pending is not None:
+            yield from pending.result()
+
+    def _score_part(self, request, prompts: list[PreparedPrompt],
+                    result: EngineResult) -> list[sampler_pb2.ScoredGroup]:
+        items = []
+        completions = []
+        for i, (prompt, row) in enumerate(zip(prompts, result.sequences, strict=True)):
+            done = []
+            for j, seq in enumerate(row):
+                text, raw = self._decode(seq.token_ids)
+                done.append(common_pb2.Completion(
+                    token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,
+                    finish_reason=seq.finish_reason))
+                items.append(reward_pb2.ScoreItem(
+                    item_id=f"{i}:{j}", prompt=prompt.text, completion=text,
+                    reference=prompt.reference, completion_tokens=len(seq.token_ids),
+                    metadata=prompt.metadata, truncated=seq.finish_reason == "length",
+                    completion_raw=raw or b""))
+            completions.append(done)
+        start = time.perf_counter()
+        scores = self.reward.score(items, request.reward_functions)
+        score_s = time.perf_counter() - start
+        groups = []
+        for i, (prompt, done) in enumerate(zip(prompts, completions, strict=True)):
+            for j, completion in enumerate(done):
+                s = scores[f"{i}:{j}"]
+                completion.rewards.update(dict(s.scores))
+                completion.total_reward = s.total
+                completion.reward_reasons.update(dict(s.reasons))
+            groups.append(sampler_pb2.ScoredGroup(
+                request_id=request.request_id, prompt_id=prompt.prompt_id,
+                prompt_token_ids=prompt.token_ids, completions=done,
+                weight_version=result.version, sampler_id=self.sampler_id,
+                reference=prompt.reference, metadata=prompt.metadata,
+                timings=common_pb2.Timings(queue_s=result.queue_s, generate_s=result.generate_s,
+                                           score_s=score_s)))
+        return groups
+
+    # -- text -----------------------------------------------------------------------------------
+
+    def _decode(self, ids: Sequence[int], skip_special: bool = True) -> tuple[str, bytes | None]:
+        """(text, raw bytes if the completion is not valid UTF-8, else None)."""
+        from splitrl.tokenizer import decode
+
+        text = decode(self.tokenizer, ids, skip_special_tokens=skip_special)
+        if "\ufffd" not in text:
+            return text, None
+        raw = _byte_level_bytes(self.tokenizer, ids, skip_special)
+        if raw is None:
+            return text, None
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return text, raw
+        return text, None
+
+    def close(self) -> None:
+        self._scorer.shutdown(wait=False, cancel_futures=True)
+        if self.reward is not None:
+            self.reward.close()
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte <-> printable character table used by byte-level BPE, inverted."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_DECODER = _bytes_to_unicode()
+
+
+def _byte_level_bytes(tokenizer, ids: Sequence[int], skip_special: bool) -> bytes | None:
+    """The raw bytes of a byte-level BPE completion, or None for other tokenizers."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None or "ByteLevel" not in type(decoder).__name__ + repr(decoder):
+        return None
+    tokens = tokenizer.convert_ids_to_tokens([int(i) for i in ids],
+                                             skip_special_tokens=skip_special)
+    out = bytearray()
+    for token in tokens:
+        if token is None:
+            continue
+        if all(c in _BYTE_DECODER for c in token):
+            out.extend(_BYTE_DECODER[c] for c in token)
+        else:  # an added token written as plain text
+            out.extend(token.encode())
+    return bytes(out)

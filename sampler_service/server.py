@@ -1,0 +1,216 @@
+"""The sampler's gRPC server: GetInfo, PushWeights, Rollout, Generate.
+
+    serve(config) -> (Server, SamplerServicer)     start on services.host:services.sampler_port
+    main(config)                                   serve until SIGTERM/SIGINT (``splitrl sampler``)
+
+The model comes from ``model.path`` (a Hugging Face directory; its tokenizer, if present, is
+used for text/chat prompts and to decode completions), placed on ``sampler.mesh`` with the
+partition rules of ``sampler.mesh.strategy``. It serves weight version 0 until a trainer pushes.
+``main`` prints one JSON line ``{"event": "listening", "address": ..., ...}`` on stdout once
+the port is bound (port 0 picks a free one), so a parent process can read the address.
+
+PushWeights is protected by the shared token when ``services.auth`` configures one. The gRPC
+message limit is raised above ``sampler.max_chunk_bytes`` so an oversized chunk reaches the
+weight store and gets a RESOURCE_EXHAUSTED that names the limit. Shutdown marks the health
+service NOT_SERVING, lets in-flight calls finish (``sampler.shutdown_grace_s``) and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sampler_service import metrics
+from sampler_service.rollout import RequestError, RewardClient, RolloutWorker
+from sampler_service.weights import WeightStore
+from splitrl.config import Config
+from splitrl.logs import configure_logging, set_context
+from splitrl.mesh import build_mesh
+from splitrl.metrics import start_metrics_server
+from splitrl.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, serve_until_signal, start_server
+from splitrl.v1 import sampler_pb2, sampler_pb2_grpc
+from splitrl.wire import WireError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitrl.v1.Sampler"
+PUSH_METHOD = f"/{SERVICE_NAME}/PushWeights"
+
+
+class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
+    def __init__(self, config: Config, weights: WeightStore, worker: RolloutWorker,
+                 address: str = ""):
+        self.config = config
+        self.weights = weights
+        self.worker = worker
+        self.address = address
+        metrics.WEIGHT_VERSION.set(weights.version)
+
+    @property
+    def sampler_id(self) -> str:
+        return self.worker.sampler_id
+
+    def GetInfo(self, request, context):
+        mesh = self.weights.mesh
+        devices = mesh.devices.reshape(-1)
+        model = self.weights.config
+        info = sampler_pb2.SamplerInfo(
+            sampler_id=self.sampler_id,
+            model_fingerprint=self.weights.fingerprint,
+            architecture=model.architecture,
+            model_config_json=json.dumps(model.to_hf_dict(), sort_keys=True),
+            params=self.weights.param_infos(include_digests=request.include_digests),
+            mesh=sampler_pb2.MeshInfo(axis_names=list(mesh.axis_names),
+                                      axis_sizes=[int(s) for s in mesh.devices.shape],
+                                      device_count=int(devices.size),
+                                      platform=devices[0].platform),
+            weight_version=self.weights.version,
+            max_batch_size=self.worker.max_batch_size,
+            max_sequence_length=self.worker.max_sequence_length,
+            max_chunk_bytes=self.weights.max_chunk_bytes,
+            address=self.address,
+        )
+        metrics.REQUESTS.labels("GetInfo", "OK").inc()
+        return info
+
+    def PushWeights(self, request_iterator, context):
+        try:
+            result = self.weights.apply_push(request_iterator)
+        except WireError as e:
+            metrics.PUSHES.labels(e.code.name).inc()
+            log.warning("weight push rejected", extra={"code": e.code.name, "reason": e.message,
+                                                       "weight_version": self.weights.version})
+            context.abort(e.code, e.message)
+        metrics.PUSHES.labels("OK").inc()
+        metrics.PUSH_SECONDS.observe(result.seconds)
+        metrics.PUSH_SWAP_SECONDS.observe(result.swap_seconds)
+        metrics.PUSH_BYTES.inc(result.bytes_received)
+        metrics.WEIGHT_VERSION.set(result.version)
+        set_context(weight_version=result.version)
+        return sampler_pb2.PushWeightsReply(version=result.version,
+                                            bytes_received=result.bytes_received,
+                                            seconds=result.seconds,
+                                            swap_seconds=result.swap_seconds)
+
+    def Generate(self, request, context):
+        try:
+            reply = self.worker.generate(request)
+        except RequestError as e:
+            metrics.REQUESTS.labels("Generate", e.code.name).inc()
+            context.abort(e.code, e.message)
+        metrics.REQUESTS.labels("Generate", "OK").inc()
+        return reply
+
+    def Rollout(self, request, context):
+        try:
+            yield from self.worker.rollout(request)
+        except RequestError as e:
+            metrics.REQUESTS.labels("Rollout", e.code.name).inc()
+            log.warning("rollout failed", extra={"code": e.code.name, "reason": e.message,
+                                                 "request_id": request.request_id})
+            context.abort(e.code, e.message)
+        metrics.REQUESTS.labels("Rollout", "OK").inc()
+
+
+def _load_tokenizer(path: str):
+    model_dir = Path(path)
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        log.warning("no tokenizer in model.path: token-id prompts only, no Rollout scoring",
+                    extra={"path": path})
+        return None
+    from splitrl.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def _eos_ids(model_config, tokenizer) -> list[int]:
+    ids: list[int] = []
+    if tokenizer is not None:
+        from splitrl.tokenizer import eos_token_ids
+
+        ids = eos_token_ids(tokenizer)
+    eos = model_config.eos_token_id
+    for i in (eos if isinstance(eos, tuple | list) else [eos]):
+        if i is not None and int(i) not in ids:
+            ids.append(int(i))
+    return ids
+
+
+def advertised_host(config: Config) -> str:
+    services = config.services
+    if services.advertise_host:
+        return services.advertise_host
+    if services.host in ("0.0.0.0", "::", "[::]", ""):
+        return socket.gethostname()
+    return services.host
+
+
+def serve(config: Config) -> tuple[Server, SamplerServicer]:
+    """Load the model, build mesh, weights, engine and reward client, and start the server."""
+    from sampler_service.engine import GenerationEngine
+    from splitrl.models import from_pretrained
+
+    sampler = config.sampler
+    dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+    model = from_pretrained(config.model.path, dtype)
+    graphdef, state = nnx.split(model)
+    mesh = build_mesh(sampler.mesh)
+    weights = WeightStore.from_state(model.config, state, mesh, strategy=sampler.mesh.strategy,
+                                     max_chunk_bytes=sampler.max_chunk_bytes)
+    del model, state
+    tokenizer = _load_tokenizer(config.model.path)
+    pad = model_pad = weights.config.pad_token_id
+    if model_pad is None and tokenizer is not None:
+        pad = tokenizer.pad_token_id
+    engine = GenerationEngine(weights.config, graphdef, mesh=mesh,
+                              max_batch_size=sampler.max_batch_size,
+                              max_sequence_length=sampler.max_sequence_length,
+                              eos_token_ids=_eos_ids(weights.config, tokenizer),
+                              pad_token_id=pad)
+    reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s)
+              if config.services.reward_address else None)
+    worker = RolloutWorker(engine, weights, tokenizer=tokenizer, sampling=config.sampling,
+                           reward=reward, sampler_id=sampler.sampler_id)
+    servicer = SamplerServicer(config, weights, worker)
+    max_message = max(DEFAULT_MAX_MESSAGE_BYTES, sampler.max_chunk_bytes + (1 << 20))
+    server = start_server(
+        lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, s),
+        f"{config.services.host}:{config.services.sampler_port}",
+        service_names=[SERVICE_NAME],
+        max_message_bytes=max_message,
+        auth=config.services.auth,
+        protected_methods=[PUSH_METHOD],
+    )
+    servicer.address = f"{advertised_host(config)}:{server.port}"
+    if not worker.sampler_id:
+        worker.sampler_id = servicer.address
+    log.info("sampler ready", extra={
+        "address": servicer.address, "sampler_id": worker.sampler_id,
+        "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
+        "devices": jax.device_count(), "params": len(weights.manifest),
+        "fingerprint": weights.fingerprint, "weight_version": weights.version})
+    return server, servicer
+
+
+def main(config: Config) -> int:
+    """Run a sampler until SIGTERM/SIGINT (``splitrl sampler --config FILE``)."""
+    configure_logging("sampler", run_id=config.run_name)
+    metrics_port = start_metrics_server(config.services.metrics_port)
+    server, servicer = serve(config)
+    set_context(weight_version=servicer.weights.version, sampler_id=servicer.sampler_id)
+    print(json.dumps({"event": "listening", "service": "sampler", "address": server.address,
+                      "advertised": servicer.address, "port": server.port,
+                      "metrics_port": metrics_port}), flush=True)
+    try:
+        serve_until_signal(server, grace_s=config.sampler.shutdown_grace_s)
+    finally:
+        servicer.worker.close()
+    print(json.dumps({"event": "stopped", "service": "sampler"}), file=sys.stdout, flush=True)
+    return 0

@@ -1,0 +1,291 @@
+"""The sampler over real gRPC on 127.0.0.1, in its own process with 2 emulated devices (tp).
+
+One sampler process serves the whole module (its start-up and first compile dominate the
+cost); tests run in file order and each states the weight version it expects. A fake reward
+service runs in the test process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import yaml
+from sampler_helpers import HERE, SamplerProcess, subprocess_env
+
+from splitrl import wire
+from splitrl.serving import make_channel, start_server
+from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+
+MAX_CHUNK = 16 * 1024
+
+
+class FakeReward(reward_pb2_grpc.RewardServicer):
+    """Scores a completion by its length in characters; counts calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def Score(self, request, context):
+        self.calls += 1
+        out = []
+        for item in request.items:
+            length = float(len(item.completion))
+            out.append(reward_pb2.ItemScore(item_id=item.item_id, scores={"length": length},
+                                            total=0.5 * length, reasons={"length": "ok"}))
+        return reward_pb2.ScoreReply(scores=out)
+
+
+@pytest.fixture(scope="module")
+def reward():
+    servicer = FakeReward()
+    server = start_server(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(servicer, s),
+                          "127.0.0.1:0", service_names=["splitrl.v1.Reward"])
+    yield server, servicer
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from splitrl.init_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny",
+                      vocab="arithmetic")
+
+
+@pytest.fixture(scope="module")
+def sampler(tmp_path_factory, model_dir, reward):
+    cfg = {
+        "run_name": "test-sampler",
+        "model": {"path": str(model_dir)},
+        "sampling": {"max_new_tokens": 6},
+        "sampler": {"max_batch_size": 8, "max_sequence_length": 48,
+                    "max_chunk_bytes": MAX_CHUNK, "sampler_id": "sampler-under-test",
+                    "mesh": {"axes": {"tensor": 2}, "strategy": "tp"}},
+        "services": {"host": "127.0.0.1", "sampler_port": 0,
+                     "reward_address": reward[0].address},
+    }
+    path = tmp_path_factory.mktemp("cfg") / "sampler.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = SamplerProcess(path, devices=2)
+    channel = make_channel(proc.address)
+    yield proc, sampler_pb2_grpc.SamplerStub(channel)
+    channel.close()
+    assert proc.stop() == 0, proc.log_path.read_text()[-3000:]
+
+
+def _info(stub, digests=True) -> sampler_pb2.SamplerInfo:
+    return stub.GetInfo(sampler_pb2.GetInfoRequest(include_digests=digests), timeout=30)
+
+
+def _served(stub):
+    info = _info(stub)
+    return info.weight_version, {p.name: p.digest for p in info.params}
+
+
+def _random_params(info, seed):
+    rng = np.random.default_rng(seed)
+    return {p.name: rng.standard_normal(tuple(p.shape)).astype(wire.numpy_dtype(p.dtype))
+            for p in info.params}
+
+
+def _push_messages(info, params, version):
+    return list(wire.iter_push_messages(params, version, max_chunk_bytes=info.max_chunk_bytes,
+                                        target_shardings=wire.layouts_from_info(info),
+                                        sender="pytest"))
+
+
+def _generate(stub):
+    request = sampler_pb2.GenerateRequest(
+        prompts=[common_pb2.Prompt(text="1+2=")],
+        sampling=common_pb2.SamplingParams(temperature=1.0, has_seed=True, seed=7), n=2)
+    return stub.Generate(request, timeout=120)
+
+
+def test_getinfo_reports_the_tensor_parallel_layout_on_two_devices(sampler):
+    _, stub = sampler
+    info = _info(stub, digests=False)
+    assert info.sampler_id == "sampler-under-test"
+    assert list(info.mesh.axis_names) == ["tensor"] and list(info.mesh.axis_sizes) == [2]
+    assert info.mesh.device_count == 2 and info.weight_version == 0
+    assert info.max_chunk_bytes == MAX_CHUNK and info.max_batch_size == 8
+    assert info.model_fingerprint.startswith("sha256:") and info.architecture
+    assert json.loads(info.model_config_json)["architectures"] == [info.architecture]
+    split = [p.name for p in info.params if "tensor" in p.partition]
+    assert split, "tp strategy should split some parameters over the tensor axis"
+    assert all(p.digest == "" for p in info.params)
+
+
+def test_push_from_a_four_device_fsdp_sender_is_bitwise_equal_with_the_samplers_layout(
+        sampler, model_dir):
+    proc, stub = sampler
+    before = {p.name: list(p.partition) for p in _info(stub, digests=False).params}
+    out = subprocess.run(
+        [sys.executable, str(HERE / "sampler_helpers.py"), "push", proc.address, str(model_dir),
+         "1", "11"], env=subprocess_env(4), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sent = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"\npush figures: {sent['bytes']} bytes in {sent['chunks']} chunks "
+          f"({sent['region_chunks']} region chunks), client {sent['seconds']:.3f} s, "
+          f"server {sent['server_seconds']:.3f} s, swap {sent['swap_seconds'] * 1e6:.0f} us")
+    assert sent["version"] == 1 and sent["devices"] == 4
+    assert any("fsdp" in p for p in sent["sender_partitions"].values())
+    assert sent["region_chunks"] > 0
+    info = _info(stub)
+    assert info.weight_version == 1
+    served = {p.name: p.digest for p in info.params}
+    assert served == sent["digests"]
+    assert {p.name: list(p.partition) for p in info.params} == before
+    assert before != sent["sender_partitions"]
+
+
+def test_bad_pushes_each_get_their_own_error_and_leave_the_weights_serving(sampler):
+    _, stub = sampler
+    info = _info(stub, digests=False)
+    version, digests = _served(stub)
+    assert version == 1
+    params = _random_params(info, seed=3)
+
+    def rejected(messages, code, *fragments):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.PushWeights(iter(messages), timeout=60)
+        assert e.value.code() == code, e.value.details()
+        for fragment in fragments:
+            assert fragment in e.value.details(), e.value.details()
+        assert _served(stub) == (version, digests)
+
+    msgs = _push_messages(info, params, 2)
+    victim = msgs[len(msgs) // 2].chunk
+    victim.data = bytes([victim.data[0] ^ 0xFF]) + victim.data[1:]
+    rejected(msgs, grpc.StatusCode.DATA_LOSS, victim.name, "checksum")
+
+    msgs = _push_messages(info, params, 2)
+    msgs[1].chunk.shape[0] += 1
+    rejected(msgs, grpc.StatusCode.INVALID_ARGUMENT, msgs[1].chunk.name, "shape is")
+
+    msgs = _push_messages(info, params, 2)
+    msgs[1].chunk.name = "model.layers.7.mlp.up_proj.weight"
+    rejected(msgs, grpc.StatusCode.INVALID_ARGUMENT, "unknown parameter name",
+             "'model.layers.7.mlp.up_proj.weight'")
+
+    rejected(_push_messages(info, params, 1), grpc.StatusCode.FAILED_PRECONDITION,
+             "version 1 is not newer than the serving version 1")
+
+    msgs = _push_messages(info, params, 2)
+    rejected(msgs[:-3], grpc.StatusCode.INVALID_ARGUMENT, "incomplete push")
+
+    big = list(wire.iter_push_messages(params, 2, max_chunk_bytes=4 * MAX_CHUNK))
+    rejected(big, grpc.StatusCode.RESOURCE_EXHAUSTED, f"max_chunk_bytes {MAX_CHUNK}")
+
+
+def test_generate_keeps_answering_while_a_push_is_in_progress(sampler):
+    _, stub = sampler
+    warm = _generate(stub)
+    assert warm.weight_version == 1 and len(warm.outputs[0].completions) == 2
+    info = _info(stub, digests=False)
+    params = _random_params(info, seed=5)
+    msgs = _push_messages(info, params, 2)
+    half, resume = len(msgs) // 2, threading.Event()
+    progress = {"sent": 0}
+
+    def slow_stream():
+        for i, message in enumerate(msgs):
+            if i == half:
+                resume.wait(60)
+            progress["sent"] = i + 1
+            yield message
+
+    replies = []
+    pusher = threading.Thread(
+        target=lambda: replies.append(stub.PushWeights(slow_stream(), timeout=120)))
+    pusher.start()
+    while progress["sent"] < half:
+        time.sleep(0.01)
+    during = [_generate(stub) for _ in range(3)]
+    assert pusher.is_alive() and progress["sent"] == half
+    assert all(r.weight_version == 1 for r in during)
+    assert _served(stub)[0] == 1
+    resume.set()
+    pusher.join(60)
+    assert replies and replies[0].version == 2
+    after = _generate(stub)
+    assert after.weight_version == 2
+    digests = {p.name: p.digest for p in _info(stub).params}
+    assert digests == {n: wire.array_digest(a) for n, a in params.items()}
+
+
+def test_rollout_streams_scored_groups(sampler, reward):
+    _, stub = sampler
+    request = sampler_pb2.RolloutRequest(
+        request_id="r1", group_size=4, min_version=2,
+        sampling=common_pb2.SamplingParams(temperature=1.0, has_seed=True, seed=1),
+        prompts=[common_pb2.Prompt(prompt_id="a", text="1+2=", reference="3",
+                                   metadata={"task": "add"}),
+                 common_pb2.Prompt(prompt_id="b", token_ids=[5, 6, 7], reference="x"),
+                 common_pb2.Prompt(prompt_id="c", messages=[
+                     common_pb2.ChatMessage(role="user", content="2+2=")])])
+    groups = list(stub.Rollout(request, timeout=120))
+    assert sorted(g.prompt_id for g in groups) == ["a", "b", "c"]
+    for g in groups:
+        assert g.request_id == "r1" and g.sampler_id == "sampler-under-test"
+        assert g.weight_version == 2 and len(g.completions) == 4
+        assert g.timings.generate_s > 0 and g.timings.score_s >= 0
+        for c in g.completions:
+            assert len(c.token_ids) == len(c.logprobs) >= 1
+            assert c.finish_reason in ("stop", "length")
+            assert c.rewards["length"] == len(c.text) and c.total_reward == 0.5 * len(c.text)
+            assert c.reward_reasons["length"] == "ok"
+    a = next(g for g in groups if g.prompt_id == "a")
+    assert a.reference == "3" and dict(a.metadata) == {"task": "add"}
+    assert reward[1].calls >= 1
+
+
+@pytest.mark.parametrize(("change", "code", "fragment"), [
+    ({"prompts": []}, "INVALID_ARGUMENT", "prompts: expected at least one prompt"),
+    ({"prompts": [common_pb2.Prompt()]}, "INVALID_ARGUMENT", "prompts[0]: set exactly one"),
+    ({"prompts": [common_pb2.Prompt(token_ids=[1, 10_000])]}, "INVALID_ARGUMENT",
+     "prompts[0].token_ids: ids must be in [0,"),
+    ({"prompts": [common_pb2.Prompt(token_ids=[3] * 45)]}, "INVALID_ARGUMENT",
+     "exceeds the sampler's max_sequence_length 48"),
+    ({"sampling": common_pb2.SamplingParams(temperature=-1.0)}, "INVALID_ARGUMENT",
+     "sampling.temperature"),
+    ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, "INVALID_ARGUMENT", "sampling.top_p"),
+    ({"group_size": 0}, "INVALID_ARGUMENT", "group_size: expected 1 <= group_size"),
+    ({"group_size": 9}, "INVALID_ARGUMENT", "max_batch_size 8, got 9"),
+    ({"min_version": 99}, "FAILED_PRECONDITION", "min_version is 99"),
+])
+def test_invalid_rollout_requests_name_the_field(sampler, change, code, fragment):
+    _, stub = sampler
+    request = sampler_pb2.RolloutRequest(request_id="bad", group_size=2,
+                                         prompts=[common_pb2.Prompt(text="1+1=")])
+    for key, value in change.items():
+        field = getattr(request, key)
+        if isinstance(value, list):
+            del field[:]
+            field.extend(value)
+        elif hasattr(field, "CopyFrom"):
+            field.CopyFrom(value)
+        else:
+            setattr(request, key, value)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Rollout(request, timeout=30))
+    assert e.value.code().name == code
+    assert fragment in e.value.details(), e.value.details()
+
+
+def test_a_dead_reward_service_is_unavailable(sampler, reward):
+    _, stub = sampler
+    reward[0].stop(0)
+    request = sampler_pb2.RolloutRequest(request_id="r2", group_size=2,
+                                         prompts=[common_pb2.Prompt(text="1+1=")])
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Rollout(request, timeout=60))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "reward service at" in e.value.details() and "unavailable" in e.value.details()
+    assert _generate(stub).weight_version == 2  # generation itself is unaffected
