@@ -41,11 +41,15 @@ class FilesTask(Task):
 
     @property
     def splits(self) -> tuple[str, ...]:
-        return self._splits if self._splits is not None else ("train", "test")
+        """`splits` if given; one split, "train", for a single file; else train and test."""
+        if self._splits is not None:
+            return self._splits
+        if "{split}" not in self.path and Path(self.path).is_file():
+            return ("train",)
+        return ("train", "test")
 
     def rows(self, split: str) -> LazyRows:
-        if self._splits is not None:
-            self._check_split(split)
+        self._check_split(split)
         dataset = load_split(self.path, split, subset=self.subset)
         columns = set(dataset.column_names)
         for key, field in (("prompt_field", self.prompt_field),

@@ -1,0 +1,103 @@
+"""Built-in tasks: arithmetic table, GSM8K/MATH-500 references, generic files, the registry."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from splitrl.tasks import get_task, list_tasks, parse_gsm8k_answer
+
+
+def test_registry_lists_tasks_and_names_unknown_ones():
+    assert {"arithmetic", "gsm8k", "math500", "files"} <= set(list_tasks())
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
+        get_task("gsm9k")
+    with pytest.raises(ValueError, match="no option 'max_operands'"):
+        get_task("arithmetic", max_operands=3)
+
+
+def test_arithmetic_default_is_the_25_prompt_single_digit_table():
+    task = get_task("arithmetic")
+    rows = task.rows("train")
+    assert len(rows) == 25
+    assert len({r["prompt_id"] for r in rows}) == 25
+    by_id = {r["prompt_id"]: r for r in rows}
+    assert by_id["arith-3+4"]["prompt"] == "3+4=" and by_id["arith-3+4"]["reference"] == "7"
+    assert all(len(r["reference"]) == 1 for r in rows)
+    assert task.rows("test") == rows
+    assert task.reward_functions[0]["name"] == "exact_answer"
+    assert task.sampling["max_new_tokens"] == 2
+
+
+def test_arithmetic_train_fraction_is_seeded_and_eval_is_the_full_table():
+    a = get_task("arithmetic", max_operand=9, train_fraction=0.5, seed=1)
+    b = get_task("arithmetic", max_operand=9, train_fraction=0.5, seed=1)
+    c = get_task("arithmetic", max_operand=9, train_fraction=0.5, seed=2)
+    assert a.rows("train") == b.rows("train") != c.rows("train")
+    assert len(a.rows("train")) == 50 and len(a.rows("test")) == 100
+    assert get_task("arithmetic", max_operand=9, fixed_width=True).answer(1, 2) == "03"
+
+
+def test_arithmetic_corpus_covers_every_digit():
+    text = "".join(get_task("arithmetic").corpus())
+    assert set("0123456789+=") == set(text)
+
+
+def test_gsm8k_references_are_integers_without_commas(shared_data):
+    rows = get_task("gsm8k", path=shared_data / "gsm8k").rows("test")
+    assert len(rows) == 1319
+    refs = [rows[i]["reference"] for i in range(len(rows))]
+    assert all(r.lstrip("-").isdigit() for r in refs), [r for r in refs if not r.isdigit()]
+    raw = [json.loads(line)["answer"] for line in
+           (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    with_commas = [i for i, a in enumerate(raw) if "," in a.rsplit("####", 1)[1]]
+    assert with_commas, "expected some answers like 1,080 in the test split"
+    assert refs[with_commas[0]] == raw[with_commas[0]].rsplit("####", 1)[1].strip().replace(
+        ",", "")
+    first = rows[0]
+    assert first["prompt_id"] == "gsm8k-test-0" and first["prompt"].startswith("Janet")
+    assert first["reference"] == "18" and first["messages"] is None
+
+
+def test_gsm8k_instruction_is_appended(shared_data):
+    row = get_task("gsm8k", path=shared_data / "gsm8k", instruction="boxed").rows("test")[0]
+    assert row["prompt"].endswith("\\boxed{}.")
+    row = get_task("gsm8k", path=shared_data / "gsm8k", instruction="Answer:").rows("test")[0]
+    assert row["prompt"].endswith("\nAnswer:")
+
+
+def test_parse_gsm8k_answer():
+    assert parse_gsm8k_answer("so 1,000 + 80\n#### 1,080") == "1080"
+    with pytest.raises(ValueError, match="####"):
+        parse_gsm8k_answer("no final answer")
+
+
+def test_math500_reference_is_the_answer_field(shared_data):
+    task = get_task("math500", path=shared_data / "math500")
+    rows = task.rows("test")
+    assert len(rows) == 500
+    raw = json.loads((shared_data / "math500" / "test.jsonl").read_text().splitlines()[0])
+    assert rows[0]["reference"] == raw["answer"].strip()
+    assert rows[0]["prompt"] == raw["problem"]
+    assert rows[0]["metadata"]["unique_id"] == raw["unique_id"]
+    assert all(isinstance(v, str) for v in rows[0]["metadata"].values())
+    with pytest.raises(ValueError, match="no split 'train'"):
+        task.rows("train")
+
+
+def test_files_task_maps_fields_and_accepts_chat_messages(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"q": "1+1?", "a": "2", "id": "x1"},
+        {"q": [{"role": "user", "content": "2+2?"}], "a": 4, "id": "x2"},
+    ]) + "\n")
+    task = get_task("files", path=str(tmp_path), prompt_field="q", answer_field="a",
+                    id_field="id", id_prefix="toy")
+    rows = task.rows("train")
+    assert rows[0]["prompt"] == "1+1?" and rows[0]["prompt_id"] == "toy-x1"
+    assert rows[1]["messages"] == [{"role": "user", "content": "2+2?"}]
+    assert rows[1]["reference"] == "4"
+    with pytest.raises(ValueError, match="prompt_field='question' is not a column"):
+        get_task("files", path=str(data)).rows("train")
+    assert get_task("files", path=str(data)).splits == ("train",)

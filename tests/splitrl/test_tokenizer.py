@@ -1,0 +1,102 @@
+"""Tokenizers trained with `tokenizers` load in transformers and behave as the services need."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer
+
+from splitrl import tokenizer as tk
+from splitrl.tasks import get_task
+
+
+@pytest.fixture(scope="module")
+def gsm8k_texts(shared_data):
+    lines = (shared_data / "gsm8k" / "train.jsonl").read_text().splitlines()[:2000]
+    return [json.loads(line)["question"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory, gsm8k_texts):
+    out = tk.train_bpe_tokenizer(gsm8k_texts, tmp_path_factory.mktemp("bpe"), vocab_size=512)
+    return tk.load_tokenizer(out)
+
+
+@pytest.fixture(scope="module")
+def char_dir(tmp_path_factory):
+    return tk.train_char_tokenizer(get_task("arithmetic").corpus(), tmp_path_factory.mktemp("ch"))
+
+
+def test_bpe_has_requested_size_and_chatml_specials(bpe):
+    assert len(bpe) == 512
+    assert bpe.eos_token == bpe.pad_token == "<|endoftext|>"
+    assert [bpe.convert_tokens_to_ids(t) for t in tk.SPECIAL_TOKENS] == [0, 1, 2]
+    assert tk.eos_token_ids(bpe) == [0, 2]
+
+
+def test_bpe_round_trips_gsm8k_text(bpe, shared_data):
+    rows = [json.loads(line) for line in
+            (shared_data / "gsm8k" / "test.jsonl").read_text().splitlines()[:200]]
+    for text in [r["question"] for r in rows] + [r["answer"] for r in rows]:
+        assert tk.decode(bpe, bpe.encode(text, add_special_tokens=False)) == text
+
+
+@pytest.mark.parametrize("text", ["1080", "It costs $1,234.50 in 2024", "x=987654321"])
+def test_every_digit_is_its_own_token(bpe, text):
+    tokens = bpe.convert_ids_to_tokens(bpe.encode(text, add_special_tokens=False))
+    digit_tokens = [t for t in tokens if any(c.isdigit() for c in t)]
+    assert all(len(t) == 1 for t in digit_tokens), tokens
+    assert len(digit_tokens) == sum(c.isdigit() for c in text)
+
+
+def test_transformers_and_tokenizers_agree(bpe, tmp_path_factory, gsm8k_texts):
+    out = tk.train_bpe_tokenizer(gsm8k_texts, tmp_path_factory.mktemp("same"), vocab_size=512)
+    raw = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for text in gsm8k_texts[:200] + ["a  1", "héllo\n\n  x 12"]:
+        assert bpe.encode(text, add_special_tokens=False) == raw.encode(text).ids
+
+
+def test_chat_template_renders_chatml_with_system_prompt(bpe):
+    text = tk.render_prompt(bpe, "What is 3+4?", system_prompt="Be brief.",
+                            use_chat_template=True)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                    "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_encode_prompt_with_chat_template_has_no_doubled_special_tokens(bpe):
+    ids = tk.encode_prompt(bpe, "3+4=", use_chat_template=True)
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    im_start = bpe.convert_tokens_to_ids("<|im_start|>")
+    assert ids.count(im_start) == 2 and ids[0] == im_start
+    assert bpe.eos_token_id not in ids
+    assert tk.decode(bpe, ids, skip_special_tokens=False) == tk.render_prompt(
+        bpe, "3+4=", use_chat_template=True)
+
+
+def test_encode_prompt_accepts_messages_and_plain_text(bpe):
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tk.encode_prompt(bpe, messages=msgs) == tk.encode_prompt(bpe, "hi",
+                                                                      use_chat_template=True)
+    plain = tk.encode_prompt(bpe, "3+4=", system_prompt="Add.")
+    assert tk.decode(bpe, plain) == "Add.\n\n3+4="
+    with pytest.raises(ValueError, match="text or messages"):
+        tk.encode_prompt(bpe)
+
+
+def test_arithmetic_character_vocabulary_is_small_and_exact(char_dir):
+    tok = tk.load_tokenizer(char_dir)
+    assert len(tok) < 32
+    ids = tk.encode_prompt(tok, "3+4=")
+    assert tok.convert_ids_to_tokens(ids) == ["3", "+", "4", "="]
+    assert tk.decode(tok, [*tok.encode("7", add_special_tokens=False), tok.eos_token_id]) == "7"
+    for digit in "0123456789":
+        assert len(tok.encode(digit, add_special_tokens=False)) == 1
+    unk = tok.convert_tokens_to_ids("<unk>")
+    assert tok.encode("3x", add_special_tokens=False)[1] == unk
+    assert tk.eos_token_ids(char_dir) == [0, 2]
+
+
+def test_bpe_refuses_a_vocab_smaller_than_the_byte_alphabet(tmp_path):
+    with pytest.raises(ValueError, match="too small"):
+        tk.train_bpe_tokenizer(["abc"], tmp_path, vocab_size=100)
