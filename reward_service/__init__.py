@@ -1,1 +1,28 @@
-"""SplitRL reward service."""
+"""SplitRL reward service: scores completions with named reward functions in isolated workers.
+
+Public API::
+
+    from reward_service import RewardScorer, Item, RewardValue, resolve
+    scorer = RewardScorer(config.reward)        # starts the worker processes
+    results = scorer.score([Item(completion="... \\\\boxed{72}", reference="72")])
+    results[0].scores, results[0].total, results[0].reasons
+
+A reward function is ``f(prompts, completions, references, **metadata) -> list[float]``;
+built-ins: ``math_accuracy``, ``format``, ``length``, ``exact_answer``; anything else is loaded
+from ``module:function``. ``reward_service.server.main(config)`` runs the gRPC service.
+"""
+
+from reward_service.registry import FunctionSpec, RewardValue, builtin_names, register, resolve
+from reward_service.scoring import Item, ItemResult, RequestError, RewardScorer
+
+__all__ = [
+    "FunctionSpec",
+    "Item",
+    "ItemResult",
+    "RequestError",
+    "RewardScorer",
+    "RewardValue",
+    "builtin_names",
+    "register",
+    "resolve",
+]

@@ -199,6 +199,7 @@ class WorkerPool:
         w.process.join(2)
         w.conn.close()
         self.restarts += 1
+        self.on_event("restart", "")
         self._workers[self._workers.index(w)] = self._start_worker()
 
     # ------------------------------------------------------------------ dispatcher

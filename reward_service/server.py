@@ -1,0 +1,135 @@
+"""The reward service's gRPC server: ``Score`` (batched) and ``ListRewardFunctions``.
+
+Requests are checked before any work starts, with a status that names the field:
+RESOURCE_EXHAUSTED when ``items`` exceeds ``reward.max_items_per_request`` or the request exceeds
+``reward.max_request_bytes``; INVALID_ARGUMENT for an unknown or repeated function name or a
+metadata key that collides with a reserved keyword. Anything a completion contains is the
+workers' problem, never the server's: it scores 0 with a reason (``reward_service.pool``).
+Completions that are not valid UTF-8 arrive in ``completion_raw`` and are decoded with U+FFFD
+replacement characters.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from reward_service import metrics
+from reward_service.registry import RESERVED_KEYWORDS
+from reward_service.scoring import Item, RequestError, RewardScorer
+from splitrl.config import Config, RewardConfig
+from splitrl.logs import configure_logging
+from splitrl.metrics import start_metrics_server
+from splitrl.serving import Server, serve_until_signal, start_server
+from splitrl.v1 import reward_pb2, reward_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "splitrl.v1.Reward"
+
+
+def _grpc_message_limit(max_request_bytes: int) -> int:
+    # Room above max_request_bytes so that our own size check, whose message names the config
+    # key, sees requests somewhat over the limit; beyond this gRPC rejects them itself (also
+    # RESOURCE_EXHAUSTED, "Received message larger than max").
+    return max_request_bytes + max(1024 * 1024, max_request_bytes // 4)
+
+
+def item_from_proto(index: int, msg: reward_pb2.ScoreItem) -> Item:
+    completion = msg.completion
+    if msg.completion_raw:
+        completion = msg.completion_raw.decode("utf-8", errors="replace")
+    for key in msg.metadata:
+        if key in RESERVED_KEYWORDS:
+            raise RequestError(f"items[{index}].metadata[{key!r}]: reserved keyword (reserved: "
+                               f"{', '.join(sorted(RESERVED_KEYWORDS))})")
+    return Item(prompt=msg.prompt, completion=completion, reference=msg.reference,
+                completion_tokens=msg.completion_tokens, truncated=msg.truncated,
+                metadata=dict(msg.metadata), item_id=msg.item_id)
+
+
+class RewardServicer(reward_pb2_grpc.RewardServicer):
+    def __init__(self, scorer: RewardScorer, cfg: RewardConfig):
+        self.scorer = scorer
+        self.cfg = cfg
+
+    def Score(self, request: reward_pb2.ScoreRequest, context: grpc.ServicerContext):
+        start = time.perf_counter()
+        n = len(request.items)
+        if n > self.cfg.max_items_per_request:
+            metrics.REQUESTS.labels("RESOURCE_EXHAUSTED").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"items: {n} items exceed reward.max_items_per_request="
+                          f"{self.cfg.max_items_per_request}; split the request")
+        size = request.ByteSize()
+        if size > self.cfg.max_request_bytes:
+            metrics.REQUESTS.labels("RESOURCE_EXHAUSTED").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"request: {size} bytes exceed reward.max_request_bytes="
+                          f"{self.cfg.max_request_bytes}; split the request")
+        try:
+            self.scorer.select(request.functions)
+            items = [item_from_proto(i, m) for i, m in enumerate(request.items)]
+        except RequestError as e:
+            metrics.REQUESTS.labels("INVALID_ARGUMENT").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        results = self.scorer.score(items, request.functions,
+                                    cancelled=lambda: not context.is_active())
+        reply = reward_pb2.ScoreReply()
+        for r in results:
+            reply.scores.add(item_id=r.item_id, scores=r.scores, total=r.total,
+                             reasons=r.reasons)
+            for name, status in r.statuses.items():
+                metrics.OUTCOMES.labels(name, status).inc()
+        seconds = time.perf_counter() - start
+        reply.seconds = seconds
+        metrics.REQUESTS.labels("OK").inc()
+        metrics.ITEMS.inc(n)
+        metrics.REQUEST_SECONDS.observe(seconds)
+        if n and seconds > 0:
+            metrics.ITEMS_PER_SECOND.set(n / seconds)
+        return reply
+
+    def ListRewardFunctions(self, request, context):
+        reply = reward_pb2.ListRewardFunctionsReply()
+        for spec, description in self.scorer.describe():
+            reply.functions.add(name=spec.name, weight=spec.weight, description=description,
+                                timeout_s=spec.timeout_s)
+        return reply
+
+
+def serve(config: Config, address: str | None = None) -> tuple[Server, RewardScorer]:
+    """Start the workers, then the gRPC server (not blocking). Returns both, for tests."""
+    cfg = config.reward
+    # Workers first: the forkserver must start before gRPC creates its threads.
+    scorer = RewardScorer(cfg, on_event=metrics.record_event)
+    metrics.WORKERS.set(cfg.workers)
+    try:
+        server = start_server(
+            lambda s: reward_pb2_grpc.add_RewardServicer_to_server(
+                RewardServicer(scorer, cfg), s),
+            address or config.services.reward_address,
+            service_names=[SERVICE_NAME],
+            max_message_bytes=_grpc_message_limit(cfg.max_request_bytes),
+            auth=config.services.auth,
+        )
+    except BaseException:
+        scorer.close()
+        raise
+    return server, scorer
+
+
+def main(config: Config) -> None:
+    """``splitrl reward``: serve until SIGTERM/SIGINT, then finish in-flight calls and exit."""
+    configure_logging("reward", config.run_name)
+    server, scorer = serve(config)
+    start_metrics_server(config.services.metrics_port)
+    log.info("reward service ready", extra={
+        "address": server.address, "workers": config.reward.workers,
+        "functions": [s.name for s in scorer.specs]})
+    try:
+        serve_until_signal(server, grace_s=max(10.0, 2 * config.reward.timeout_s))
+    finally:
+        scorer.close()

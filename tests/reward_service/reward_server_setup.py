@@ -1,0 +1,32 @@
+"""Settings of the reward server that the gRPC tests start (shared by conftest and tests)."""
+
+from __future__ import annotations
+
+TIMEOUT_S = 2.0  # reward.timeout_s of the test server
+KILL_GRACE_S = 0.5
+USER_TIMEOUT_S = 1.0  # the misbehaving user functions get a shorter limit
+MAX_ITEMS = 64
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+P = "pathological_rewards:"
+SERVER_CONFIG = {
+    "run_name": "reward-tests",
+    "reward": {
+        "workers": 2,
+        "timeout_s": TIMEOUT_S,
+        "kill_grace_s": KILL_GRACE_S,
+        "max_items_per_request": MAX_ITEMS,
+        "max_request_bytes": MAX_REQUEST_BYTES,
+        "functions": [
+            {"name": "math_accuracy", "weight": 1.0},
+            {"name": "format", "weight": 0.5},
+            {"name": "length", "weight": 1.0, "options": {"max_tokens": 100, "buffer": 20}},
+            {"name": "exact_answer", "weight": 1.0},
+            {"name": P + "sleep_forever", "timeout_s": USER_TIMEOUT_S},
+            {"name": P + "hang_ignoring_alarm", "timeout_s": USER_TIMEOUT_S},
+            {"name": P + "raise_error"},
+            {"name": P + "return_nan"},
+            {"name": P + "exit_process"},
+        ],
+    },
+}
