@@ -76,10 +76,38 @@ def parse_reference(reference: str) -> tuple:
     return tuple(gold)
 
 
+def last_boxed(text: str) -> str | None:
+    """``\\boxed{...}`` of the last box whose braces close (None if there is none).
+
+    math-verify alone would join boxes separated by a comma or "and" (``\\boxed{71}, no
+    wait, \\boxed{72}`` parses as the set {71, 72}); a completion's answer is its last box.
+    """
+    boxes = [(m.start(), m.end()) for m in _BOXED.finditer(text)]
+    if not boxes:
+        return None
+    # Scan each box only up to the next one: if a later box never closes, no earlier box
+    # can close after it either (its brace stays open), so the whole search is linear.
+    bounds = [b[0] for b in boxes[1:]] + [len(text)]
+    for (_, start), bound in zip(reversed(boxes), reversed(bounds), strict=True):
+        depth = 1
+        for i in range(start, bound):
+            ch = text[i]
+            if ch == "{" and text[i - 1] != "\\":
+                depth += 1
+            elif ch == "}" and text[i - 1] != "\\":
+                depth -= 1
+                if depth == 0:
+                    return "\\boxed{" + text[start:i] + "}"
+    return None
+
+
 def extract_answer(completion: str, max_chars: int) -> list:
     """math-verify's parse of the completion's final answer ([] when there is none)."""
     text = completion[-max_chars:]
-    if not _BOXED.search(text) and "####" in text:
+    boxed = last_boxed(text)
+    if boxed is not None:
+        text = boxed
+    elif "####" in text:
         text = strip_thousands(text.rsplit("####", 1)[1])
     return _parse(text)
 
