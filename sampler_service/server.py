@@ -23,6 +23,7 @@ import socket
 import sys
 from pathlib import Path
 
+import grpc
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -88,6 +89,15 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             log.warning("weight push rejected", extra={"code": e.code.name, "reason": e.message,
                                                        "weight_version": self.weights.version})
             context.abort(e.code, e.message)
+        except Exception as e:  # a bug or a broken stream: say so, keep the old weights
+            if not context.is_active():
+                metrics.PUSHES.labels("CANCELLED").inc()
+                log.warning("weight push cancelled by the sender", extra={"error": repr(e)})
+                raise
+            metrics.PUSHES.labels("INTERNAL").inc()
+            log.exception("weight push failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"weight push failed: {e!r}; the "
+                          f"serving weights (version {self.weights.version}) are unchanged")
         metrics.PUSHES.labels("OK").inc()
         metrics.PUSH_SECONDS.observe(result.seconds)
         metrics.PUSH_SWAP_SECONDS.observe(result.swap_seconds)
@@ -105,6 +115,10 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         except RequestError as e:
             metrics.REQUESTS.labels("Generate", e.code.name).inc()
             context.abort(e.code, e.message)
+        except Exception as e:
+            metrics.REQUESTS.labels("Generate", "INTERNAL").inc()
+            log.exception("generate failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {e!r}")
         metrics.REQUESTS.labels("Generate", "OK").inc()
         return reply
 
@@ -116,6 +130,12 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             log.warning("rollout failed", extra={"code": e.code.name, "reason": e.message,
                                                  "request_id": request.request_id})
             context.abort(e.code, e.message)
+        except Exception as e:
+            if not context.is_active():
+                raise
+            metrics.REQUESTS.labels("Rollout", "INTERNAL").inc()
+            log.exception("rollout failed", extra={"request_id": request.request_id})
+            context.abort(grpc.StatusCode.INTERNAL, f"rollout failed: {e!r}")
         metrics.REQUESTS.labels("Rollout", "OK").inc()
 
 

@@ -2,7 +2,7 @@
 
 As a script (run in a subprocess with its own emulated device count):
 
-    python sampler_helpers.py push ADDRESS MODEL_DIR VERSION SEED
+    python sampler_helpers.py push ADDRESS MODEL_DIR VERSION SEED [TOKEN]
         Loads MODEL_DIR's architecture, builds random weights (SEED) on an fsdp mesh over all
         local devices, asks the sampler at ADDRESS for its layout (GetInfo), pushes them
         resharded for it, and prints one JSON line: the reply, the sender's own shardings,
@@ -76,6 +76,7 @@ class SamplerProcess:
                 continue
             if event.get("event") == "listening":
                 self.address = event["address"]
+                self.listening = event
                 break
         if self.address is None:
             self.stop()
@@ -93,14 +94,15 @@ class SamplerProcess:
         return self.proc.returncode
 
 
-def _push_main(address: str, model_dir: str, version: int, seed: int) -> None:
+def _push_main(address: str, model_dir: str, version: int, seed: int, token: str) -> None:
     import jax
     from flax import nnx
 
     from splitrl import wire
+    from splitrl.config import AuthConfig
     from splitrl.mesh import param_shardings, spec_to_strings
     from splitrl.models import hf_from_state, init_random, load_config
-    from splitrl.serving import make_channel
+    from splitrl.serving import auth_metadata, make_channel
     from splitrl.v1 import sampler_pb2, sampler_pb2_grpc
 
     config = load_config(model_dir)
@@ -115,7 +117,8 @@ def _push_main(address: str, model_dir: str, version: int, seed: int) -> None:
                                             target_shardings=targets, sender="test-fsdp"))
     regions = sum(1 for m in messages if m.HasField("chunk") and m.chunk.region_shape)
     start = time.perf_counter()
-    reply = stub.PushWeights(iter(messages), timeout=60)
+    metadata = auth_metadata(AuthConfig(token=token or None))
+    reply = stub.PushWeights(iter(messages), timeout=60, metadata=metadata)
     seconds = time.perf_counter() - start
     print(json.dumps({
         "version": reply.version, "bytes": reply.bytes_received, "seconds": seconds,
@@ -130,6 +133,7 @@ def _push_main(address: str, model_dir: str, version: int, seed: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "push":
-        _push_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        _push_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
+                   sys.argv[6] if len(sys.argv) > 6 else "")
     else:
         raise SystemExit(f"unknown command {sys.argv[1]!r}")

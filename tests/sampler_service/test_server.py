@@ -8,10 +8,12 @@ service runs in the test process.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -20,10 +22,12 @@ import yaml
 from sampler_helpers import HERE, SamplerProcess, subprocess_env
 
 from splitrl import wire
-from splitrl.serving import make_channel, start_server
+from splitrl.serving import check_health, make_channel, start_server
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2, sampler_pb2_grpc
 
 MAX_CHUNK = 16 * 1024
+TOKEN = "s3cret"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
 class FakeReward(reward_pb2_grpc.RewardServicer):
@@ -68,8 +72,8 @@ def sampler(tmp_path_factory, model_dir, reward):
         "sampler": {"max_batch_size": 8, "max_sequence_length": 48,
                     "max_chunk_bytes": MAX_CHUNK, "sampler_id": "sampler-under-test",
                     "mesh": {"axes": {"tensor": 2}, "strategy": "tp"}},
-        "services": {"host": "127.0.0.1", "sampler_port": 0,
-                     "reward_address": reward[0].address},
+        "services": {"host": "127.0.0.1", "sampler_port": 0, "metrics_port": 0,
+                     "reward_address": reward[0].address, "auth": {"token": TOKEN}},
     }
     path = tmp_path_factory.mktemp("cfg") / "sampler.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -101,10 +105,19 @@ def _push_messages(info, params, version):
                                         sender="pytest"))
 
 
+def _prompts():
+    """A text, a token-id and a chat prompt (also the shapes Rollout uses: one compile)."""
+    return [common_pb2.Prompt(prompt_id="a", text="1+2=", reference="3", metadata={"task": "add"}),
+            common_pb2.Prompt(prompt_id="b", token_ids=[5, 6, 7], reference="x"),
+            common_pb2.Prompt(prompt_id="c", messages=[
+                common_pb2.ChatMessage(role="user", content="2+2=")])]
+
+
+SAMPLING = common_pb2.SamplingParams(temperature=1.0, has_seed=True, seed=7)
+
+
 def _generate(stub):
-    request = sampler_pb2.GenerateRequest(
-        prompts=[common_pb2.Prompt(text="1+2=")],
-        sampling=common_pb2.SamplingParams(temperature=1.0, has_seed=True, seed=7), n=2)
+    request = sampler_pb2.GenerateRequest(prompts=_prompts(), sampling=SAMPLING, n=2)
     return stub.Generate(request, timeout=120)
 
 
@@ -128,7 +141,7 @@ def test_push_from_a_four_device_fsdp_sender_is_bitwise_equal_with_the_samplers_
     before = {p.name: list(p.partition) for p in _info(stub, digests=False).params}
     out = subprocess.run(
         [sys.executable, str(HERE / "sampler_helpers.py"), "push", proc.address, str(model_dir),
-         "1", "11"], env=subprocess_env(4), capture_output=True, text=True, timeout=120)
+         "1", "11", TOKEN], env=subprocess_env(4), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     sent = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\npush figures: {sent['bytes']} bytes in {sent['chunks']} chunks "
@@ -154,7 +167,7 @@ def test_bad_pushes_each_get_their_own_error_and_leave_the_weights_serving(sampl
 
     def rejected(messages, code, *fragments):
         with pytest.raises(grpc.RpcError) as e:
-            stub.PushWeights(iter(messages), timeout=60)
+            stub.PushWeights(iter(messages), timeout=60, metadata=AUTH)
         assert e.value.code() == code, e.value.details()
         for fragment in fragments:
             assert fragment in e.value.details(), e.value.details()
@@ -203,7 +216,8 @@ def test_generate_keeps_answering_while_a_push_is_in_progress(sampler):
 
     replies = []
     pusher = threading.Thread(
-        target=lambda: replies.append(stub.PushWeights(slow_stream(), timeout=120)))
+        target=lambda: replies.append(stub.PushWeights(slow_stream(), timeout=120,
+                                                       metadata=AUTH)))
     pusher.start()
     while progress["sent"] < half:
         time.sleep(0.01)
@@ -222,19 +236,18 @@ def test_generate_keeps_answering_while_a_push_is_in_progress(sampler):
 
 def test_rollout_streams_scored_groups(sampler, reward):
     _, stub = sampler
-    request = sampler_pb2.RolloutRequest(
-        request_id="r1", group_size=4, min_version=2,
-        sampling=common_pb2.SamplingParams(temperature=1.0, has_seed=True, seed=1),
-        prompts=[common_pb2.Prompt(prompt_id="a", text="1+2=", reference="3",
-                                   metadata={"task": "add"}),
-                 common_pb2.Prompt(prompt_id="b", token_ids=[5, 6, 7], reference="x"),
-                 common_pb2.Prompt(prompt_id="c", messages=[
-                     common_pb2.ChatMessage(role="user", content="2+2=")])])
+    request = sampler_pb2.RolloutRequest(request_id="r1", group_size=2, min_version=2,
+                                         sampling=SAMPLING, prompts=_prompts())
     groups = list(stub.Rollout(request, timeout=120))
     assert sorted(g.prompt_id for g in groups) == ["a", "b", "c"]
-    for g in groups:
+    generated = _generate(stub)
+    for g, out in zip(sorted(groups, key=lambda g: g.prompt_id), generated.outputs, strict=True):
         assert g.request_id == "r1" and g.sampler_id == "sampler-under-test"
-        assert g.weight_version == 2 and len(g.completions) == 4
+        assert g.weight_version == 2 and len(g.completions) == 2
+        # Same seed, same weights: Rollout and Generate sample the same completions.
+        assert [list(c.token_ids) for c in g.completions] == [
+            list(c.token_ids) for c in out.completions]
+        assert list(g.prompt_token_ids) == list(out.prompt_token_ids)
         assert g.timings.generate_s > 0 and g.timings.score_s >= 0
         for c in g.completions:
             assert len(c.token_ids) == len(c.logprobs) >= 1
@@ -289,3 +302,56 @@ def test_a_dead_reward_service_is_unavailable(sampler, reward):
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "reward service at" in e.value.details() and "unavailable" in e.value.details()
     assert _generate(stub).weight_version == 2  # generation itself is unaffected
+
+
+def test_push_without_the_token_is_unauthenticated(sampler):
+    _, stub = sampler
+    info = _info(stub, digests=False)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.PushWeights(iter(_push_messages(info, _random_params(info, 1), 9)), timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _served(stub)[0] == 2
+
+
+def test_metrics_report_tokens_version_and_pushes(sampler):
+    proc, _ = sampler
+    port = proc.listening["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("splitrl_sampler_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["splitrl_sampler_weight_version"] == 2
+    assert values["splitrl_sampler_tokens_generated_total"] > 0
+    assert values["splitrl_sampler_push_bytes_total"] > 0
+    assert values['splitrl_sampler_pushes_total{code="OK"}'] == 2
+    assert values['splitrl_sampler_pushes_total{code="DATA_LOSS"}'] == 1
+    assert 0 < values["splitrl_sampler_batch_occupancy"] <= 1
+
+
+def test_sigterm_finishes_the_push_in_flight_then_exits(sampler):
+    proc, stub = sampler
+    info = _info(stub, digests=False)
+    msgs = _push_messages(info, _random_params(info, 8), 3)
+    resume, replies = threading.Event(), []
+
+    def held():
+        yield from msgs[:2]
+        resume.wait(60)
+        yield from msgs[2:]
+
+    pusher = threading.Thread(target=lambda: replies.append(
+        stub.PushWeights(held(), timeout=60, metadata=AUTH)))
+    pusher.start()
+    time.sleep(0.5)
+    proc.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while check_health(proc.address, timeout_s=1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not check_health(proc.address, timeout_s=1)
+    resume.set()
+    pusher.join(60)
+    assert replies and replies[0].version == 3
+    assert proc.proc.wait(30) == 0
+    assert '"event": "stopped"' in proc.proc.stdout.read()

@@ -25,16 +25,25 @@ def config():
     return tiny_config()
 
 
+@pytest.fixture(scope="module")
+def initial_state(config):
+    return nnx.state(init_random(config, seed=0, std=0.1))
+
+
 @pytest.fixture()
-def store(config):
+def store(config, initial_state):
     mesh = jax.make_mesh((1,), ("tensor",))
-    state = nnx.state(init_random(config, seed=0, std=0.1))
-    return WeightStore.from_state(config, state, mesh, strategy="tp", max_chunk_bytes=MAX_CHUNK)
+    return WeightStore.from_state(config, initial_state, mesh, strategy="tp",
+                                  max_chunk_bytes=MAX_CHUNK)
 
 
 def _new_params(config, seed=1):
-    return {n: np.asarray(a) for n, a in
-            hf_from_state(nnx.state(init_random(config, seed=seed, std=0.1))).items()}
+    """Random weights with the model's names, shapes and dtypes (host arrays)."""
+    rng = np.random.default_rng(seed)
+    from splitrl.models import param_shapes
+
+    return {n: rng.standard_normal(s.shape).astype(s.dtype)
+            for n, s in param_shapes(config).items()}
 
 
 def _messages(params, version, **kw):
