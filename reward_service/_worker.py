@@ -2,8 +2,10 @@
 
 Protocol on the worker's pipe:
     parent -> worker: a chunk ``[(task_id, function_index, item), ...]`` or ``None`` to exit;
-    worker -> parent: ``("ready", pid)`` once, or ``("init_error", message)``; then one
-    ``(task_id, score, reason, status, seconds)`` per task, in order, as each finishes.
+    worker -> parent: ``("ready", pid)`` once, or ``("init_error", message)``; then lists
+    of ``(task_id, score, reason, status, seconds)`` in task order: results are flushed at the
+    end of each chunk and at least every ``FLUSH_S`` (a message per result would wake the
+    parent for every item, which costs more than the scoring on a busy machine).
 
 Each call runs under a soft time limit: ``setitimer`` raises :class:`ItemTimeout` (a
 ``BaseException``, so ``except Exception`` in user code or math-verify cannot swallow it). Code
@@ -24,6 +26,7 @@ from typing import Any
 from reward_service.registry import FunctionSpec, resolve
 
 MAX_REASON_CHARS = 300
+FLUSH_S = 0.02
 
 
 class ItemTimeout(BaseException):
@@ -111,9 +114,16 @@ def worker_main(conn, specs: Sequence[FunctionSpec], memory_mb: int | None) -> N
             return
         if chunk is None:
             return
+        results, flushed = [], time.perf_counter()
         for task_id, index, item in chunk:
             start = time.perf_counter()
             # A function may reset SIGALRM's handler (math-verify does); restore ours.
             signal.signal(signal.SIGALRM, _on_alarm)
             score, reason, status = score_task(fns[index], item, specs[index].timeout_s)
-            conn.send((task_id, score, reason, status, time.perf_counter() - start))
+            end = time.perf_counter()
+            results.append((task_id, score, reason, status, end - start))
+            if end - flushed >= FLUSH_S:
+                conn.send(results)
+                results, flushed = [], end
+        if results:
+            conn.send(results)

@@ -40,6 +40,11 @@ from reward_service.registry import FunctionSpec
 log = logging.getLogger(__name__)
 
 MAX_CHUNK = 16
+# Send a worker its next chunk early only while its current task is young; tasks queued behind
+# a task older than STEAL_AFTER_S are copied back to the queue for idle workers (first result
+# wins), so a hanging item does not hold up the ones behind it until it is killed.
+PREFETCH_MAX_S = 0.05
+STEAL_AFTER_S = 0.25
 START_TIMEOUT_S = 60.0
 PRELOAD = ["reward_service._worker", "reward_service.math_accuracy", "reward_service.functions"]
 
@@ -66,6 +71,11 @@ class _Task:
     index: int
     fn: int
     item: dict[str, Any]
+    copied: bool = False  # queued again while waiting behind a slow task on another worker
+
+    @property
+    def done(self) -> bool:
+        return self.batch.outcomes[self.index] is not None
 
 
 @dataclass
@@ -74,9 +84,11 @@ class _Worker:
     conn: Any
     ready: bool = False
     started: float = field(default_factory=time.monotonic)
-    chunk: list[_Task] = field(default_factory=list)
-    position: int = 0  # index in chunk of the task running now
-    task_started: float = 0.0
+    # Tasks sent and not answered yet, in order; the first is running now.
+    inflight: collections.deque[_Task] = field(default_factory=collections.deque)
+    sent: int = 0  # tasks sent so far (task ids are 0, 1, 2, ... per worker)
+    answered: int = 0
+    task_started: float = 0.0  # when inflight[0] started (as seen by the parent)
 
 
 class WorkerPool:
@@ -210,24 +222,26 @@ class WorkerPool:
         except (OSError, ValueError):
             pass
 
-    def _finish(self, task: _Task, outcome: Outcome) -> None:
+    def _finish(self, task: _Task, outcome: Outcome) -> bool:
+        """Record a task's outcome; False if it already had one (a copy finished first)."""
         batch = task.batch
         if batch.outcomes[task.index] is not None:
-            return
+            return False
         batch.outcomes[task.index] = outcome
         batch.remaining -= 1
         if batch.remaining == 0:
             batch.done.set()
+        return True
 
     def _next_chunk(self) -> list[_Task]:
         with self._lock:
             # Drop tasks of cancelled batches, then take a fair share of what is queued.
-            while self._queue and self._queue[0].batch.cancelled:
-                self._finish(self._queue.popleft(), Outcome(0.0, "cancelled", "cancelled"))
-            size = min(MAX_CHUNK, max(1, math.ceil(len(self._queue) / (2 * len(self._workers)))))
+            size = self._target_chunk()
             chunk = []
             while self._queue and len(chunk) < size:
                 task = self._queue.popleft()
+                if task.done:
+                    continue
                 if task.batch.cancelled:
                     self._finish(task, Outcome(0.0, "cancelled", "cancelled"))
                 else:
@@ -235,35 +249,58 @@ class WorkerPool:
             return chunk
 
     def _assign(self) -> None:
+        # A worker gets its next chunk while it still works on the current one (at most about
+        # two chunks in flight), so it never waits for this thread to be scheduled.
+        now = time.monotonic()
         for w in list(self._workers):
-            if not w.ready or w.chunk:
+            if not w.ready or len(w.inflight) >= self._target_chunk():
+                continue
+            if w.inflight and now - w.task_started > PREFETCH_MAX_S:
                 continue
             chunk = self._next_chunk()
+            if not chunk and not w.inflight:
+                self._steal(now)
+                chunk = self._next_chunk()
             if not chunk:
                 return
-            message = [(n, t.fn, t.item) for n, t in enumerate(chunk)]
-            w.chunk, w.position, w.task_started = chunk, 0, time.monotonic()
+            message = [(w.sent + n, t.fn, t.item) for n, t in enumerate(chunk)]
+            if not w.inflight:
+                w.task_started = time.monotonic()
+            w.inflight.extend(chunk)
+            w.sent += len(chunk)
             try:
                 w.conn.send(message)
             except (OSError, ValueError):
                 self._worker_lost(w, "error: worker died before the task started")
 
+    def _steal(self, now: float) -> None:
+        for other in self._workers:
+            if len(other.inflight) > 1 and now - other.task_started > STEAL_AFTER_S:
+                waiting = [t for t in list(other.inflight)[1:] if not t.copied and not t.done]
+                for t in waiting:
+                    t.copied = True
+                with self._lock:
+                    self._queue.extend(waiting)
+
+    def _target_chunk(self) -> int:
+        return min(MAX_CHUNK, max(1, math.ceil(len(self._queue) / (2 * len(self._workers)))))
+
     def _deadline(self, w: _Worker) -> float:
-        spec = self.specs[w.chunk[w.position].fn]
+        spec = self.specs[w.inflight[0].fn]
         return w.task_started + spec.timeout_s + self.kill_grace_s
 
     def _requeue_rest(self, w: _Worker) -> None:
-        rest = w.chunk[w.position + 1:]
+        rest = list(w.inflight)[1:]
         with self._lock:
             self._queue.extendleft(reversed(rest))
-        w.chunk = []
+        w.inflight.clear()
 
     def _worker_lost(self, w: _Worker, reason: str, status: str = "error") -> None:
-        task = w.chunk[w.position] if w.chunk else None
+        task = w.inflight[0] if w.inflight else None
         if task is not None:
             spent = time.monotonic() - w.task_started
-            self._finish(task, Outcome(0.0, reason, status, spent))
-            self.on_event(status, self.specs[task.fn].name)
+            if self._finish(task, Outcome(0.0, reason, status, spent)):
+                self.on_event(status, self.specs[task.fn].name)
             self._requeue_rest(w)
         self._replace(w)
 
@@ -283,19 +320,17 @@ class WorkerPool:
                 log.error("replacement worker failed to start", extra={"error": message[1]})
                 self._replace(w)
             return
-        task_id, score, reason, status, seconds = message
-        if task_id != w.position:
-            log.error("worker answered out of order", extra={"got": task_id, "want": w.position})
-            self._worker_lost(w, "error: worker protocol error")
-            return
-        task = w.chunk[w.position]
-        self._finish(task, Outcome(score, reason, status, seconds))
-        if status != "ok":
-            self.on_event(status, self.specs[task.fn].name)
-        w.position += 1
+        for task_id, score, reason, status, seconds in message:
+            if task_id != w.answered or not w.inflight:
+                log.error("worker answered out of order",
+                          extra={"got": task_id, "want": w.answered})
+                self._worker_lost(w, "error: worker protocol error")
+                return
+            task = w.inflight.popleft()
+            w.answered += 1
+            if self._finish(task, Outcome(score, reason, status, seconds)) and status != "ok":
+                self.on_event(status, self.specs[task.fn].name)
         w.task_started = time.monotonic()
-        if w.position == len(w.chunk):
-            w.chunk = []
 
     def _run(self) -> None:
         while not self._closed:
@@ -310,8 +345,10 @@ class WorkerPool:
         now = time.monotonic()
         timeout = 1.0
         for w in self._workers:
-            if w.chunk:
+            if w.inflight:
                 timeout = min(timeout, self._deadline(w) - now)
+            if len(w.inflight) > 1:
+                timeout = min(timeout, PREFETCH_MAX_S)  # time to prefetch or steal
             elif not w.ready:
                 timeout = min(timeout, w.started + START_TIMEOUT_S - now)
         conns = {w.conn: w for w in self._workers}
@@ -324,8 +361,8 @@ class WorkerPool:
                 self._on_message(conns[conn])
         now = time.monotonic()
         for w in list(self._workers):
-            if w.chunk and now > self._deadline(w):
-                name = self.specs[w.chunk[w.position].fn].name
+            if w.inflight and now > self._deadline(w):
+                name = self.specs[w.inflight[0].fn].name
                 log.warning("reward function exceeded its hard time limit; killing its worker",
                             extra={"function": name, "pid": w.process.pid})
                 self._worker_lost(w, "timeout", "timeout")
