@@ -57,6 +57,9 @@ def _byte_level_pipeline(tok: Tokenizer) -> Tokenizer:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+        # A no-op after the split above, which already isolates digits; it keeps numbers split
+        # into single digits if the pattern is ever changed.
+        pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
