@@ -50,11 +50,18 @@ def test_every_digit_is_its_own_token(bpe, text):
     assert len(digit_tokens) == sum(c.isdigit() for c in text)
 
 
-def test_transformers_and_tokenizers_agree(bpe, tmp_path_factory, gsm8k_texts):
-    out = tk.train_bpe_tokenizer(gsm8k_texts, tmp_path_factory.mktemp("same"), vocab_size=512)
+@pytest.mark.parametrize("model_type", [None, "qwen2"])
+def test_transformers_and_tokenizers_agree(tmp_path, gsm8k_texts, model_type):
+    """For model_type qwen2, transformers rebuilds Qwen2's pipeline around our vocabulary."""
+    out = tk.train_bpe_tokenizer(gsm8k_texts, tmp_path, vocab_size=512)
+    if model_type is not None:
+        (out / "config.json").write_text(json.dumps({"model_type": model_type}))
+    loaded = tk.load_tokenizer(out)
+    if model_type == "qwen2":
+        assert type(loaded).__name__ == "Qwen2Tokenizer"
     raw = Tokenizer.from_file(str(out / "tokenizer.json"))
-    for text in gsm8k_texts[:200] + ["a  1", "héllo\n\n  x 12"]:
-        assert bpe.encode(text, add_special_tokens=False) == raw.encode(text).ids
+    for text in gsm8k_texts[:200] + ["a  1", "héllo\n\n  x 12", "e\u0301 1,080.5"]:
+        assert loaded.encode(text, add_special_tokens=False) == raw.encode(text).ids
 
 
 def test_chat_template_renders_chatml_with_system_prompt(bpe):
