@@ -7,7 +7,8 @@ The model comes from ``model.path`` (a Hugging Face directory; its tokenizer, if
 used for text/chat prompts and to decode completions), placed on ``sampler.mesh`` with the
 partition rules of ``sampler.mesh.strategy``. It serves weight version 0 until a trainer pushes.
 ``main`` prints one JSON line ``{"event": "listening", "address": ..., ...}`` on stdout once
-the port is bound (port 0 picks a free one), so a parent process can read the address.
+the port is bound (port 0 picks a free one), so a parent process can read the address, and
+(``sampler.register_with_trainer``) registers with the trainer and heartbeats.
 
 PushWeights is protected by the shared token when ``services.auth`` configures one. The gRPC
 message limit is raised above ``sampler.max_chunk_bytes`` so an oversized chunk reaches the
@@ -21,6 +22,7 @@ import json
 import logging
 import socket
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -35,8 +37,15 @@ from splitrl.config import Config
 from splitrl.logs import configure_logging, set_context
 from splitrl.mesh import build_mesh
 from splitrl.metrics import start_metrics_server
-from splitrl.serving import DEFAULT_MAX_MESSAGE_BYTES, Server, serve_until_signal, start_server
-from splitrl.v1 import sampler_pb2, sampler_pb2_grpc
+from splitrl.serving import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Server,
+    auth_metadata,
+    make_channel,
+    serve_until_signal,
+    start_server,
+)
+from splitrl.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from splitrl.wire import WireError
 
 log = logging.getLogger(__name__)
@@ -219,6 +228,60 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     return server, servicer
 
 
+class TrainerRegistration:
+    """Announces the sampler to the trainer (RegisterSampler), then heartbeats until stopped.
+
+    A trainer that is not up yet, restarts, or forgets the sampler (``known`` false) is handled
+    by registering again; failures are logged once per outage, never fatal.
+    """
+
+    def __init__(self, config: Config, servicer: SamplerServicer):
+        self.address = config.services.trainer_address
+        self.interval_s = config.services.heartbeat_s
+        self.metadata = auth_metadata(config.services.auth)
+        self.servicer = servicer
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="register", daemon=True)
+
+    def start(self) -> TrainerRegistration:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        channel = make_channel(self.address)
+        stub = trainer_pb2_grpc.TrainerStub(channel)
+        registered, failing = False, False
+        me = dict(sampler_id=self.servicer.sampler_id, address=self.servicer.address)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not registered:
+                        reply = stub.RegisterSampler(trainer_pb2.RegisterSamplerRequest(**me),
+                                                     timeout=5, metadata=self.metadata)
+                        registered = reply.accepted
+                        self.interval_s = reply.heartbeat_interval_s or self.interval_s
+                        log.info("registered with the trainer", extra={"trainer": self.address})
+                    else:
+                        reply = stub.Heartbeat(trainer_pb2.HeartbeatRequest(
+                            weight_version=self.servicer.weights.version, **me),
+                            timeout=5, metadata=self.metadata)
+                        registered = reply.known
+                    failing = False
+                except grpc.RpcError as e:
+                    registered = False
+                    if not failing:
+                        log.info("trainer not reachable; will retry", extra={
+                            "trainer": self.address, "code": e.code().name})
+                    failing = True
+                self._stop.wait(self.interval_s)
+        finally:
+            channel.close()
+
+
 def main(config: Config) -> int:
     """Run a sampler until SIGTERM/SIGINT (``splitrl sampler --config FILE``)."""
     configure_logging("sampler", run_id=config.run_name)
@@ -228,9 +291,14 @@ def main(config: Config) -> int:
     print(json.dumps({"event": "listening", "service": "sampler", "address": server.address,
                       "advertised": servicer.address, "port": server.port,
                       "metrics_port": metrics_port}), flush=True)
+    registration = None
+    if config.sampler.register_with_trainer and config.services.trainer_address:
+        registration = TrainerRegistration(config, servicer).start()
     try:
         serve_until_signal(server, grace_s=config.sampler.shutdown_grace_s)
     finally:
+        if registration is not None:
+            registration.stop()
         servicer.worker.close()
     print(json.dumps({"event": "stopped", "service": "sampler"}), file=sys.stdout, flush=True)
     return 0

@@ -297,6 +297,9 @@ class SamplerConfig:
     reward_timeout_s: float = 120.0
     # On SIGTERM: how long in-flight calls may take to finish before the server exits.
     shutdown_grace_s: float = 30.0
+    # Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
+    # Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up.
+    register_with_trainer: bool = True
 
     def __post_init__(self):
         _check_positive("sampler.max_batch_size", self.max_batch_size)

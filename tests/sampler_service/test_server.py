@@ -23,7 +23,15 @@ from sampler_helpers import HERE, SamplerProcess, subprocess_env
 
 from splitrl import wire
 from splitrl.serving import check_health, make_channel, start_server
-from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2, sampler_pb2_grpc
+from splitrl.v1 import (
+    common_pb2,
+    reward_pb2,
+    reward_pb2_grpc,
+    sampler_pb2,
+    sampler_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
 
 MAX_CHUNK = 16 * 1024
 TOKEN = "s3cret"
@@ -55,6 +63,30 @@ def reward():
     server.stop(0)
 
 
+class FakeTrainer(trainer_pb2_grpc.TrainerServicer):
+    """Records RegisterSampler and Heartbeat calls."""
+
+    def __init__(self):
+        self.registered, self.heartbeats = [], []
+
+    def RegisterSampler(self, request, context):
+        self.registered.append((request.sampler_id, request.address))
+        return trainer_pb2.RegisterSamplerReply(accepted=True, heartbeat_interval_s=0.2)
+
+    def Heartbeat(self, request, context):
+        self.heartbeats.append(request.weight_version)
+        return trainer_pb2.HeartbeatReply(known=True)
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    servicer = FakeTrainer()
+    server = start_server(lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
+                          "127.0.0.1:0", service_names=["splitrl.v1.Trainer"])
+    yield server, servicer
+    server.stop(0)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from splitrl.init_model import init_model
@@ -64,7 +96,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sampler(tmp_path_factory, model_dir, reward):
+def sampler(tmp_path_factory, model_dir, reward, trainer):
     cfg = {
         "run_name": "test-sampler",
         "model": {"path": str(model_dir)},
@@ -73,7 +105,8 @@ def sampler(tmp_path_factory, model_dir, reward):
                     "max_chunk_bytes": MAX_CHUNK, "sampler_id": "sampler-under-test",
                     "mesh": {"axes": {"tensor": 2}, "strategy": "tp"}},
         "services": {"host": "127.0.0.1", "sampler_port": 0, "metrics_port": 0,
-                     "reward_address": reward[0].address, "auth": {"token": TOKEN}},
+                     "reward_address": reward[0].address, "auth": {"token": TOKEN},
+                     "trainer_address": trainer[0].address, "heartbeat_s": 0.2},
     }
     path = tmp_path_factory.mktemp("cfg") / "sampler.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -328,6 +361,16 @@ def test_metrics_report_tokens_version_and_pushes(sampler):
     assert values['splitrl_sampler_pushes_total{code="OK"}'] == 2
     assert values['splitrl_sampler_pushes_total{code="DATA_LOSS"}'] == 1
     assert 0 < values["splitrl_sampler_batch_occupancy"] <= 1
+
+
+def test_the_sampler_registers_with_the_trainer_and_heartbeats(sampler, trainer):
+    proc, _ = sampler
+    fake = trainer[1]
+    assert fake.registered and fake.registered[0] == ("sampler-under-test", proc.address)
+    deadline = time.monotonic() + 10
+    while 2 not in fake.heartbeats and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert 2 in fake.heartbeats  # the weight version it serves now
 
 
 def test_sigterm_finishes_the_push_in_flight_then_exits(sampler):
