@@ -14,6 +14,7 @@ naming the tensor instead of producing wrong weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -44,15 +45,17 @@ def _name(path) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _abstract_state(config: TransformerConfig, param_dtype=None) -> nnx.State:
-    return nnx.split(abstract_model(config, param_dtype=param_dtype))[1]
+@functools.lru_cache(maxsize=32)
+def _abstract_flat(config: TransformerConfig, param_dtype=None) -> tuple:
+    """((path, abstract Variable), ...) of the model's parameters; cached (samplers swap often)."""
+    state = nnx.split(abstract_model(config, param_dtype=param_dtype))[1]
+    return tuple(nnx.to_flat_state(state))
 
 
 def param_shapes(config: TransformerConfig,
                  param_dtype=jnp.float32) -> dict[str, jax.ShapeDtypeStruct]:
     """{hf_name: ShapeDtypeStruct} of every parameter, in a stable (sorted) order."""
-    flat = nnx.to_flat_state(_abstract_state(config, param_dtype))
-    return {_name(path): var.get_value() for path, var in flat}
+    return {_name(path): var.get_value() for path, var in _abstract_flat(config, param_dtype)}
 
 
 def param_names(model_or_config: CausalLM | TransformerConfig) -> list[str]:
@@ -75,7 +78,7 @@ def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.n
     (device/sharding); numpy arrays become jax arrays. With `param_dtype` every array is cast
     to it, otherwise each keeps its dtype. Combine with a graphdef via `nnx.merge`.
     """
-    abstract = nnx.to_flat_state(_abstract_state(config))
+    abstract = _abstract_flat(config)
     expected = {_name(path) for path, _ in abstract}
     missing = sorted(expected - set(flat))
     unexpected = sorted(set(flat) - expected)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from splitrl.models.cache import KVCache
@@ -120,8 +121,25 @@ class CausalLM(nnx.Module):
 
 def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
                 param_dtype=None, std: float = 0.02) -> CausalLM:
-    """A randomly initialised model (normal(0, std) weights, zero biases, unit norms)."""
-    return CausalLM(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), std=std)
+    """A randomly initialised model (normal(0, std) matrices, zero biases, unit norms).
+
+    Draws with numpy's generator on the host (deterministic in `seed`): XLA:CPU compiles
+    threefry slowly (about a second per distinct tensor shape), which dominated small runs.
+    """
+    param_dtype = dtype if param_dtype is None else param_dtype
+    graphdef, abstract = nnx.split(abstract_model(config, dtype, param_dtype=param_dtype))
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for path, var in nnx.to_flat_state(abstract):
+        shape = var.get_value().shape
+        if path[-1] == "bias":
+            value = np.zeros(shape, np.float32)
+        elif len(shape) == 1:
+            value = np.ones(shape, np.float32)
+        else:
+            value = std * rng.standard_normal(shape, dtype=np.float32)
+        leaves.append((path, var.replace(jnp.asarray(value, param_dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
 def abstract_model(config: TransformerConfig, dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
