@@ -91,7 +91,7 @@ class TrainerRun:
             temperature=cfg.sampling.temperature or 1.0,
             logprob_chunk_size=cfg.model.logprob_chunk_size,
         )
-        self.data = PromptStream.from_config(tcfg.data, seed=tcfg.seed)
+        self.data = PromptStream.from_config(tcfg.data, tokenizer=self.tokenizer)
         self.checkpointer = Checkpointer(
             tcfg.checkpoint.dir or str(self.run_dir / "checkpoints"),
             every=tcfg.checkpoint.every,
