@@ -1,0 +1,168 @@
+"""Config parsing, HF-name parameter views, and clear errors for bad configs and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HF_CONFIGS
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from splitrl import models
+
+
+def _hf_dict(name, **overrides):
+    d = dict(HF_CONFIGS[name])
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[d["model_type"]]
+    return {"architectures": [arch], **d, **overrides}
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_config_round_trips_through_hf_dict(name):
+    config = models.TransformerConfig.from_hf_dict(_hf_dict(name))
+    assert models.TransformerConfig.from_hf_dict(config.to_hf_dict()) == config
+    assert hash(config) == hash(models.TransformerConfig.from_hf_dict(config.to_hf_dict()))
+
+
+def test_legacy_rope_fields_parse_like_v5_rope_parameters():
+    v5 = _hf_dict("llama3_gqa_untied")
+    legacy = dict(v5)
+    params = dict(legacy.pop("rope_parameters"))
+    legacy["rope_theta"] = params.pop("rope_theta")
+    legacy["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in params.items()}
+    a = models.TransformerConfig.from_hf_dict(v5)
+    assert a == models.TransformerConfig.from_hf_dict(legacy)
+    assert a.rope_scaling == models.RopeScaling(4.0, 1.0, 4.0, 8)
+    assert a.rope_theta == 500000.0 and a.head_dim == 8 and a.num_kv_heads == 2
+
+
+def test_family_switches():
+    qwen2 = models.TransformerConfig.from_hf_dict(_hf_dict("qwen2_bias_tied_mha"))
+    assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.qk_norm) == (True, False, False)
+    qwen3 = models.TransformerConfig.from_hf_dict(_hf_dict("qwen3_qknorm_gqa_untied"))
+    assert qwen3.qk_norm and qwen3.head_dim == 16 and qwen3.hidden_size == 32
+    llama = models.TransformerConfig.from_hf_dict(
+        _hf_dict("llama3_gqa_untied", attention_bias=True, eos_token_id=[5, 6]))
+    assert llama.attention_out_bias and llama.eos_token_id == (5, 6)
+    assert llama.to_hf_dict()["eos_token_id"] == [5, 6]
+
+
+@pytest.mark.parametrize(("overrides", "field"), [
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "architectures"),
+    ({"architectures": None, "model_type": "gpt2"}, "model_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}},
+     "low_freq_factor"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"num_key_value_heads": 3}, "num_kv_heads"),
+])
+def test_unsupported_config_fields_raise_naming_the_field(overrides, field):
+    d = _hf_dict("llama3_gqa_untied", **overrides)
+    if d.get("vocab_size", 0) is None:
+        del d["vocab_size"]
+    with pytest.raises(ValueError, match=field):
+        models.TransformerConfig.from_hf_dict(d)
+
+
+def test_state_round_trips_through_hf_names(tiny_config):
+    model = models.init_random(tiny_config, seed=1)
+    flat = models.hf_from_state(nnx.state(model))
+    assert list(flat) == models.param_names(model)
+    assert flat["model.layers.1.self_attn.q_proj.weight"].shape == (32, 32)  # [in, out]
+    assert flat["model.layers.0.self_attn.k_proj.weight"].shape == (32, 16)
+    assert flat["lm_head.weight"].shape == (32, 97)
+    assert flat["model.embed_tokens.weight"].shape == (97, 32)
+    state = models.state_from_hf(tiny_config, {k: np.asarray(v) for k, v in flat.items()})
+    again = models.hf_from_state(state)
+    for k, v in flat.items():
+        np.testing.assert_array_equal(again[k], v)
+
+    other = models.init_random(tiny_config, seed=2)
+    models.load_hf_state_dict(other, models.hf_state_dict(model))
+    for k, v in models.hf_from_state(nnx.state(other)).items():
+        np.testing.assert_array_equal(v, flat[k])
+    torch_layout = models.hf_state_dict(model)
+    assert torch_layout["lm_head.weight"].shape == (97, 32)  # HF [out, in]
+
+
+def test_state_from_hf_rejects_bad_names_and_shapes(tiny_config):
+    flat = models.hf_from_state(nnx.state(models.init_random(tiny_config)))
+    missing = {k: v for k, v in flat.items() if k != "model.norm.weight"}
+    with pytest.raises(ValueError, match=r"missing \[model.norm.weight\]"):
+        models.state_from_hf(tiny_config, missing)
+    with pytest.raises(ValueError, match=r"unexpected \[model.layers.9.mlp.up_proj.weight\]"):
+        models.state_from_hf(tiny_config, {**flat, "model.layers.9.mlp.up_proj.weight": 0})
+    wrong = {**flat, "model.layers.0.mlp.up_proj.weight": jnp.zeros((48, 32))}
+    with pytest.raises(ValueError, match=r"up_proj.weight.*\(48, 32\).*expected \(32, 48\)"):
+        models.state_from_hf(tiny_config, wrong)
+
+
+def test_state_from_hf_casts_to_param_dtype(tiny_config):
+    flat = models.hf_from_state(nnx.state(models.init_random(tiny_config)))
+    state = models.state_from_hf(tiny_config, flat, param_dtype=jnp.bfloat16)
+    assert {v.dtype for v in models.hf_from_state(state).values()} == {jnp.dtype(jnp.bfloat16)}
+
+
+@pytest.fixture
+def checkpoint(tiny_config, tmp_path):
+    models.save_pretrained(models.init_random(tiny_config), tmp_path)
+    return tmp_path
+
+
+def _rewrite(path, edit):
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_checkpoint_missing_a_weight_names_it(checkpoint):
+    _rewrite(checkpoint, lambda t: t.pop("model.layers.1.mlp.down_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing \[model.layers.1.mlp.down_proj.weight\]"):
+        models.from_pretrained(checkpoint)
+
+
+def test_checkpoint_with_wrong_shape_names_tensor_and_shapes(checkpoint):
+    def edit(t):
+        t["model.layers.0.self_attn.v_proj.weight"] = np.zeros((8, 32), np.float32)
+
+    _rewrite(checkpoint, edit)
+    with pytest.raises(ValueError, match=r"v_proj.weight' has shape \(8, 32\), expected \(16, 32"):
+        models.from_pretrained(checkpoint)
+
+
+def test_checkpoint_with_unknown_tensor_names_it(checkpoint):
+    _rewrite(checkpoint, lambda t: t.update({"model.extra.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(ValueError, match=r"unexpected \[model.extra.weight\]"):
+        models.from_pretrained(checkpoint)
+
+
+def test_checkpoint_with_unknown_architecture_is_rejected(checkpoint):
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    cfg["architectures"] = ["GemmaForCausalLM"]
+    (checkpoint / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GemmaForCausalLM"):
+        models.from_pretrained(checkpoint)
+
+
+def test_missing_files_raise_file_not_found(tmp_path, tiny_config):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        models.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config.to_hf_dict()))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        models.from_pretrained(tmp_path)
+
+
+def test_tied_checkpoint_with_redundant_lm_head_loads(tiny_config, tmp_path):
+    config = dataclasses.replace(tiny_config, tie_word_embeddings=True)
+    models.save_pretrained(models.init_random(config), tmp_path)
+    _rewrite(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
+    model = models.from_pretrained(tmp_path)
+    assert model.lm_head is None
