@@ -42,7 +42,7 @@ class Plan:
     use_top_p: bool
     greedy: bool
     prompt_cache_sharding: NamedSharding | None = None  # for [P, K, T, Dh]
-    gen_cache_sharding: NamedSharding | None = None  # for [P, n, K, S, Dh]
+    gen_cache_sharding: NamedSharding | None = None  # for [P * n, K, S, Dh]
 
 
 def _constrain(x, sharding):
@@ -53,18 +53,24 @@ def _attend(q, pk, pv, pmask, gk, gv, slot):
     """Decode attention for one new token per row.
 
     q [P,n,K,G,D]; prompt cache pk/pv [P,K,T,D] with pmask [P,T]; generation cache gk/gv
-    [P,n,K,S,D] whose slots <= slot are valid. One softmax over prompt and generated keys.
+    [R,K,S,D] (R = P*n) whose slots <= slot are valid (the new token's k/v already written:
+    on XLA CPU reading the cache *before* the in-place update makes the loop copy it).
+    One softmax over the prompt's and the row's generated keys.
     """
-    scale = q.shape[-1] ** -0.5
-    s_p = jnp.einsum("pnkgd,pktd->pnkgt", q, pk, preferred_element_type=jnp.float32) * scale
+    p, n, kh, g, dh = q.shape
+    scale = dh ** -0.5
+    f32 = jnp.float32
+    s_p = jnp.einsum("pnkgd,pktd->pnkgt", q, pk, preferred_element_type=f32) * scale
     s_p = jnp.where(pmask[:, None, None, None, :], s_p, _MASK_VALUE)
-    s_g = jnp.einsum("pnkgd,pnksd->pnkgs", q, gk, preferred_element_type=jnp.float32) * scale
-    s_g = jnp.where(jnp.arange(gk.shape[3]) <= slot, s_g, _MASK_VALUE)
+    s_g = jnp.einsum("rkgd,rksd->rkgs", q.reshape(p * n, kh, g, dh), gk,
+                     preferred_element_type=f32).reshape(p, n, kh, g, -1) * scale
+    s_g = jnp.where(jnp.arange(gk.shape[2]) <= slot, s_g, _MASK_VALUE)
     m = jnp.maximum(jnp.max(s_p, axis=-1, keepdims=True), jnp.max(s_g, axis=-1, keepdims=True))
     e_p, e_g = jnp.exp(s_p - m), jnp.exp(s_g - m)
     denom = jnp.sum(e_p, axis=-1, keepdims=True) + jnp.sum(e_g, axis=-1, keepdims=True)
     out = (jnp.einsum("pnkgt,pktd->pnkgd", e_p.astype(pv.dtype), pv)
-           + jnp.einsum("pnkgs,pnksd->pnkgd", e_g.astype(gv.dtype), gv))
+           + jnp.einsum("rkgs,rksd->rkgd", e_g.reshape(p * n, kh, g, -1).astype(gv.dtype),
+                        gv).reshape(q.shape))
     return out / denom.astype(out.dtype)
 
 
@@ -87,13 +93,13 @@ def _decode_layers(model, tokens, positions, prompt_kv, pmask, gen_kv, slot, pla
         if a.q_norm is not None:
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # [R,1,K,D] -> [P,n,K,1,D], written at generation slot `slot`.
-        k = k.reshape(p, n, kh, 1, dh).astype(gk.dtype)
-        v = v.reshape(p, n, kh, 1, dh).astype(gv.dtype)
-        gk = jax.lax.dynamic_update_slice(gk, k, (0, 0, 0, slot, 0))
-        gv = jax.lax.dynamic_update_slice(gv, v, (0, 0, 0, slot, 0))
-        gk = _constrain(gk, plan.gen_cache_sharding)
-        gv = _constrain(gv, plan.gen_cache_sharding)
+        # Write this token's k/v at generation slot `slot`, then attend.
+        k = k.reshape(r, kh, 1, dh).astype(gk.dtype)
+        v = v.reshape(r, kh, 1, dh).astype(gv.dtype)
+        gk = _constrain(jax.lax.dynamic_update_slice(gk, k, (0, 0, slot, 0)),
+                        plan.gen_cache_sharding)
+        gv = _constrain(jax.lax.dynamic_update_slice(gv, v, (0, 0, slot, 0)),
+                        plan.gen_cache_sharding)
         new_gen.append((gk, gv))
         attn = _attend(q.reshape(p, n, kh, g, dh), pk, pv, pmask, gk, gv, slot)
         x = x + a.o_proj(attn.reshape(r, 1, cfg.num_heads * dh).astype(x.dtype))
@@ -156,9 +162,11 @@ def generate_program(graphdef, state, tokens, prompt_mask, row_valid, prompt_ids
     stopped = alive & is_stop(tok0)
     done = ~alive | stopped | (max_new <= 1)
 
-    gen_shape = (p, n, cfg.num_kv_heads, max(nb - 1, 1), cfg.head_dim)
-    zeros = _constrain(jnp.zeros(gen_shape, dtype), plan.gen_cache_sharding)
-    gen_kv = tuple((zeros, zeros) for _ in range(cfg.num_layers))
+    gen_shape = (r, cfg.num_kv_heads, max(nb - 1, 1), cfg.head_dim)
+    # Distinct buffers per layer and k/v (a shared init would make the loop copy them).
+    gen_kv = tuple(tuple(_constrain(jnp.full(gen_shape, 2 * i + j, dtype) * 0,
+                                    plan.gen_cache_sharding) for j in range(2))
+                   for i in range(cfg.num_layers))
 
     # 3. Decode: step i feeds token i-1 (generation slot i-1) and samples token i.
     def cond(carry):

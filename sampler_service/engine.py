@@ -176,7 +176,7 @@ class GenerationEngine:
         return out
 
     def _cache_shardings(self, p: int, n: int) -> tuple[NamedSharding, NamedSharding]:
-        """Prompt cache [P,K,T,D] and generation cache [P,n,K,S,D] shardings.
+        """Prompt cache [P,K,T,D] and generation cache [P*n,K,S,D] shardings.
 
         KV heads go on the "tensor" axis when they divide by it, else the prompt batch does;
         any other mesh axis (data, fsdp) splits the prompt batch when it divides.
@@ -196,7 +196,7 @@ class GenerationEngine:
         b = tuple(batch) if batch else None
         h = tuple(head_axes) if head_axes else None
         return (NamedSharding(self.mesh, PartitionSpec(b, h, None, None)),
-                NamedSharding(self.mesh, PartitionSpec(b, None, h, None, None)))
+                NamedSharding(self.mesh, PartitionSpec(b, h, None, None)))
 
     def _generate_batch(self, state, prompts, groups, p, group, options, results) -> int:
         """Runs one compiled program for `groups` padded to p prompts; fills `results`;
