@@ -81,6 +81,7 @@ class WeightStore:
         self._version = version
         self._state = state
         self._digests: tuple[int, dict[str, str]] | None = None
+        self._generation = 0  # swaps so far
 
     @classmethod
     def from_state(cls, config: TransformerConfig, state: nnx.State, mesh: Mesh, *,
@@ -112,9 +113,10 @@ class WeightStore:
         tensor (gathered to the host once per version, then cached): equal to the sender's
         digest iff the weights are bitwise equal.
         """
-        version, state = self.snapshot()
+        with self._lock:
+            generation, state = self._generation, self._state
         flat = hf_from_state(state)
-        digests = self.digests(version, flat) if include_digests else {}
+        digests = self._digests_of(generation, state) if include_digests else {}
         infos = []
         for name in sorted(flat):
             array = flat[name]
@@ -125,15 +127,20 @@ class WeightStore:
                 partition=partition, digest=digests.get(name, "")))
         return infos
 
-    def digests(self, version: int | None = None, flat=None) -> dict[str, str]:
-        if version is None:
-            version, state = self.snapshot()
-            flat = hf_from_state(state)
+    def digests(self) -> dict[str, str]:
+        """``{name: array_digest}`` of the serving weights (cached per swapped-in state)."""
+        with self._lock:
+            generation, state = self._generation, self._state
+        return self._digests_of(generation, state)
+
+    def _digests_of(self, generation: int, state: nnx.State) -> dict[str, str]:
+        # Keyed by swap count, not version: a reset push may repeat a version.
         cached = self._digests
-        if cached is not None and cached[0] == version:
+        if cached is not None and cached[0] == generation:
             return cached[1]
-        out = {n: wire.array_digest(np.asarray(jax.device_get(a))) for n, a in flat.items()}
-        self._digests = (version, out)
+        out = {n: wire.array_digest(np.asarray(jax.device_get(a)))
+               for n, a in hf_from_state(state).items()}
+        self._digests = (generation, out)
         return out
 
     @property
@@ -197,6 +204,7 @@ class WeightStore:
                                 f"push version {header.version} is not newer than the serving "
                                 f"version {self._version}")
             self._version, self._state = header.version, state
+            self._generation += 1
         end = time.perf_counter()
         result = PushResult(header.version, assembler.bytes_received, assembler.chunks_received,
                             end - start, end - swap_start)
