@@ -110,6 +110,9 @@ def test_every_failure_leaves_the_old_weights_serving(store, config):
     # After all that, a good push still works, and reset may roll back to an older version.
     assert store.apply_push(iter(_messages(params, 4))).version == 4
     assert store.apply_push(iter(_messages(params, 2, reset=True))).version == 2
+    other = _new_params(config, seed=9)
+    assert store.apply_push(iter(_messages(other, 2, reset=True))).version == 2
+    assert store.digests() == {n: wire.array_digest(a) for n, a in other.items()}
 
 
 def test_a_second_concurrent_push_is_aborted(store, config):
