@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import optax
 
 from splitrl.config import OptimizerConfig
@@ -47,7 +50,17 @@ def make_schedule(cfg: OptimizerConfig, updates_per_step: int = 1) -> optax.Sche
 def make_optimizer(
     cfg: OptimizerConfig, updates_per_step: int = 1
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(clip_by_global_norm(max_grad_norm) -> adamw(schedule), schedule)."""
+    """(clip_by_global_norm(max_grad_norm) -> adamw(schedule), schedule).
+
+    Equal configs return the same objects, so jitted updates that take the transformation as
+    a static argument are compiled once per configuration, not once per learner.
+    """
+    return _make_optimizer(dataclasses.astuple(cfg), updates_per_step)
+
+
+@functools.lru_cache(maxsize=64)
+def _make_optimizer(fields: tuple, updates_per_step: int):
+    cfg = OptimizerConfig(*fields)
     schedule = make_schedule(cfg, updates_per_step)
     parts = []
     if cfg.max_grad_norm is not None:

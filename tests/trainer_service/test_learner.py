@@ -1,0 +1,114 @@
+"""Learner: learning signal, reference allocation, micro-batching, epochs, shardings, metrics.
+
+Tests share one mesh and, where they can, one loss setting, so compiled steps are reused.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from trainer_helpers import make_learner, mesh_of, rollout_batch
+
+from splitrl.config import AlgorithmConfig, OptimizerConfig
+from trainer_service.learner import TrainBatch
+
+CONSTANT_LR = OptimizerConfig(lr=1e-2)
+
+
+def _seq_logprobs(learner, batch):
+    return (learner.logprobs(batch) * batch.completion_mask).sum(-1)
+
+
+def _on_policy(learner, batch):
+    return dataclasses.replace(batch, sampler_logprobs=learner.logprobs(batch))
+
+
+def test_updates_raise_the_rewarded_completion_and_lower_the_others():
+    learner = make_learner(mesh_of(2), optimizer=CONSTANT_LR, strategy="fsdp")
+    shardings = {k: v.sharding for k, v in learner.params.items()}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert len(shardings[q].device_set) == 2 and shardings[q].spec != jax.sharding.PartitionSpec()
+    batch = rollout_batch(0)  # one completion per group has reward 1
+    before = _seq_logprobs(learner, batch)
+    for _ in range(4):
+        metrics = learner.train_step(_on_policy(learner, batch))
+    delta = _seq_logprobs(learner, batch) - before
+    winners = batch.rewards == 1
+    assert np.all(delta[winners] > 0.1), delta
+    assert np.all(delta[~winners] < 0), delta
+    assert learner.step == 4 and np.isfinite(metrics["loss"])
+    for k, v in learner.params.items():  # the update keeps the trainer's layout
+        assert v.sharding.is_equivalent_to(shardings[k], v.ndim), k
+
+
+def test_beta_zero_keeps_no_reference_parameters():
+    before = sum(x.nbytes for x in jax.live_arrays())
+    no_ref = make_learner(mesh_of(2), algorithm=AlgorithmConfig(beta=0.0))
+    mid = sum(x.nbytes for x in jax.live_arrays())
+    with_ref = make_learner(mesh_of(2), algorithm=AlgorithmConfig(beta=0.1))
+    after = sum(x.nbytes for x in jax.live_arrays())
+    param_bytes = sum(x.nbytes for x in no_ref.params.values())
+    assert no_ref.ref_params is None and with_ref.ref_params is not None
+    # A learner is params + Adam's two moments; the reference adds one more copy of the params.
+    assert mid - before == pytest.approx(3 * param_bytes, abs=1024)
+    assert after - mid == pytest.approx(4 * param_bytes, abs=1024)
+
+
+def test_micro_batches_accumulate_to_the_full_batch_update_with_kl():
+    algo = AlgorithmConfig(loss="grpo", beta=0.05, entropy_coef=0.01, tis_cap=2.0)
+    full = make_learner(mesh_of(2), algorithm=algo, optimizer=CONSTANT_LR)
+    micro = make_learner(mesh_of(2), algorithm=algo, optimizer=CONSTANT_LR, micro_batch_size=3)
+    batch = rollout_batch(2)  # 8 rows -> micro-batches of 3 + 3 + 2 (padded)
+    batch = dataclasses.replace(batch, sampler_logprobs=full.logprobs(batch) + 0.1)
+    for _ in range(2):  # the second step has a KL to the (now different) reference
+        m_full, m_micro = full.train_step(batch), micro.train_step(batch)
+    assert m_full["kl"] > 0
+    for name in full.params:
+        np.testing.assert_allclose(micro.params[name], full.params[name], atol=1e-5)
+    for key in ("loss", "policy_loss", "kl", "entropy", "grad_norm", "tis_weight_mean"):
+        assert m_micro[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-7), key
+
+
+def test_later_epochs_measure_the_ratio_against_the_first_epoch_and_report_metrics():
+    learner = make_learner(mesh_of(2), epochs_per_batch=3, optimizer=OptimizerConfig(lr=5e-2))
+    m = learner.train_step(_on_policy(learner, rollout_batch(4)))
+    # Epoch 1 is on-policy (every ratio 1); later epochs have moved away from pi_old.
+    assert m["ratio_max"] > 1.0 and m["ratio_min"] < 1.0
+    expected = {"loss", "policy_loss", "entropy", "grad_norm", "lr", "clip_frac_low",
+                "clip_frac_high", "ratio_mean", "tis_weight_mean", "advantage_mean",
+                "advantage_std", "reward_mean", "reward_std", "tokens", "completion_length_mean"}
+    assert expected <= set(m)
+    assert m["tokens"] == 20  # 8 completions of 3 or 2 tokens
+    assert m["lr"] == pytest.approx(5e-2) and m["grad_norm"] > 0
+    assert int(learner.opt_state[1][0].count) == 3  # one optimizer update per epoch
+
+
+def test_zero_variance_groups_are_filtered_and_an_empty_batch_is_skipped():
+    learner = make_learner(mesh_of(2), algorithm=AlgorithmConfig(filter_zero_variance=True),
+                           optimizer=CONSTANT_LR)
+    batch = rollout_batch(5)
+    batch.rewards[:4] = 1.0  # group 0 all correct: zero variance
+    m = learner.train_step(_on_policy(learner, batch))
+    assert m["filtered_sequences"] == 4 and m["tokens"] == 10
+    batch.rewards[:] = 0.0
+    before = {k: np.asarray(v) for k, v in learner.params.items()}
+    m = learner.train_step(_on_policy(learner, batch))
+    assert m["skipped"] == 1.0
+    for k, v in learner.params.items():
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_malformed_batches_are_rejected_with_the_field_name():
+    b = rollout_batch(6)
+    with pytest.raises(ValueError, match="completion_mask: expected shape"):
+        TrainBatch(b.tokens, b.attention_mask, b.completion_mask[:, :3], b.sampler_logprobs,
+                   b.advantages, b.group_ids)
+    with pytest.raises(ValueError, match="advantages: expected shape"):
+        TrainBatch(b.tokens, b.attention_mask, b.completion_mask, b.sampler_logprobs,
+                   b.advantages[:3], b.group_ids)
+    bad = b.completion_mask.copy()
+    bad[:, 0] = True
+    with pytest.raises(ValueError, match="position 0"):
+        TrainBatch(b.tokens, b.attention_mask, bad, b.sampler_logprobs, b.advantages,
+                   b.group_ids)
