@@ -286,7 +286,12 @@ def main(config: Config) -> int:
     """Run a sampler until SIGTERM/SIGINT (``splitrl sampler --config FILE``)."""
     configure_logging("sampler", run_id=config.run_name)
     metrics_port = start_metrics_server(config.services.metrics_port)
-    server, servicer = serve(config)
+    try:
+        server, servicer = serve(config)
+    except (OSError, ValueError) as e:  # missing/broken checkpoint, bad mesh, port in use
+        log.error("sampler failed to start", extra={"error": str(e)})
+        print(f"sampler: cannot start: {e}", file=sys.stderr)
+        return 2
     set_context(weight_version=servicer.weights.version, sampler_id=servicer.sampler_id)
     print(json.dumps({"event": "listening", "service": "sampler", "address": server.address,
                       "advertised": servicer.address, "port": server.port,
