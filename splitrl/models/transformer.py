@@ -38,17 +38,20 @@ class Decoder(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Causal LM with HF-named, HF-shaped parameters; `dtype` is the compute dtype.
+    """Causal LM with HF-named parameters (Linear weights [in, out]); `dtype` is the compute dtype.
 
     Parameters are stored in `param_dtype`; activations are computed in `dtype`; attention
-    softmax, norms, RoPE and the logits are float32.
+    softmax, norms, RoPE and the logits are float32. `remat=True` recomputes each decoder
+    layer in the backward pass (cache-less calls only): activation memory of one layer
+    instead of all, for training on long sequences.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None,
-                 rngs: nnx.Rngs, std: float = 0.02):
+                 rngs: nnx.Rngs, std: float = 0.02, remat: bool = False):
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
+        self.remat = remat
         self.model = Decoder(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, std=std)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -110,6 +113,9 @@ class CausalLM(nnx.Module):
         if cache is not None:
             k_all, v_all = cache.k, cache.v
         for i, layer in enumerate(self.model.layers):
+            if cache is None and self.remat:
+                x = _remat_layer(layer, x, cos, sin, mask)
+                continue
             layer_cache = None if cache is None else (k_all, v_all, i, offset)
             x, kv = layer(x, cos, sin, mask, layer_cache)
             if kv is not None:
@@ -117,6 +123,17 @@ class CausalLM(nnx.Module):
         h = self.model.norm(x)
         new_cache = None if cache is None else KVCache(k=k_all, v=v_all, mask=key_valid)
         return h, new_cache
+
+
+def _remat_layer(layer, x, cos, sin, mask):
+    """layer(x) under `jax.checkpoint`, as a pure function of the layer's state."""
+    graphdef, state = nnx.split(layer)
+
+    @jax.checkpoint
+    def run(state, x, cos, sin, mask):
+        return nnx.merge(graphdef, state)(x, cos, sin, mask)[0]
+
+    return run(state, x, cos, sin, mask)
 
 
 def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
@@ -142,10 +159,11 @@ def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
-def abstract_model(config: TransformerConfig, dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
+def abstract_model(config: TransformerConfig, dtype=jnp.float32, *, param_dtype=None,
+                   remat: bool = False) -> CausalLM:
     """The model with ShapeDtypeStruct leaves (no memory), for its graphdef and shapes."""
     return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype,
-                                           rngs=nnx.Rngs(0)))
+                                           rngs=nnx.Rngs(0), remat=remat))
 
 
 def apply(graphdef, state, tokens, positions=None, *, attention_mask=None, cache=None,
