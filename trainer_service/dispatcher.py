@@ -234,12 +234,15 @@ class Dispatcher:
                 self.pool.report_failure(handle, f"{e.code().name}: {e.details()}")
         finally:
             lost = [i for i in items if i.uid not in done]
-            with self._lock:
+            with self._lock:  # one critical section: an item is never in neither place
                 self._inflight.pop(request_id, None)
                 handle.inflight -= len(items)
-            if not self._stop.is_set():
-                for item in reversed(lost):
-                    self.requeue(item)
+                if not self._stop.is_set():
+                    for item in reversed(lost):
+                        item.attempts += 1
+                        self._pending.appendleft(item)
+                    self.redispatched += len(lost)
+                    self._lock.notify_all()
             if lost:
                 log.warning(
                     "rollout incomplete; prompts re-queued",

@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from splitrl.config import Config, dump_config
+from splitrl.config import Config, dump_config, to_dict
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained
@@ -92,12 +92,7 @@ class TrainerRun:
             logprob_chunk_size=cfg.model.logprob_chunk_size,
         )
         self.data = PromptStream.from_config(tcfg.data, tokenizer=self.tokenizer)
-        self.checkpointer = Checkpointer(
-            tcfg.checkpoint.dir or str(self.run_dir / "checkpoints"),
-            every=tcfg.checkpoint.every,
-            keep=tcfg.checkpoint.keep,
-            async_save=tcfg.checkpoint.async_save,
-        )
+        self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
         self.version = 0
         self.step = 0
         self.drawn = 0  # prompts drawn from the data so far: makes every work item's uid unique
@@ -144,32 +139,35 @@ class TrainerRun:
     # -- checkpoint / resume --------------------------------------------------------------
 
     def _restore(self) -> None:
-        restored = self.checkpointer.restore_latest(self.learner)
-        if restored is None:
+        if self.checkpointer.latest_step() is None:
             return
-        meta = restored
-        self.step = int(meta["step"])
-        self.version = int(meta["version"])
-        self.drawn = int(meta["drawn"])
-        self.data.load_state_dict(meta["data_cursor"])
-        unfinished = [WorkItem.from_json(d) for d in meta.get("unfinished", [])]
+        ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
+        self.learner.load_train_state(ckpt.state, ckpt.step)
+        self.step, self.version = ckpt.step, ckpt.weight_version
+        cursor = ckpt.data_cursor
+        self.data.load_state_dict(cursor["stream"])
+        self.drawn = int(cursor["drawn"])
+        unfinished = [WorkItem.from_json(d) for d in cursor["unfinished"]]
         self.dispatcher.submit(unfinished)
-        self.buffer.mark_taken(meta.get("recent_taken", []))
-        log.info("resumed from checkpoint", extra={"step": self.step, "version": self.version,
-                                                   "requeued": len(unfinished)})
+        log.info("resumed from checkpoint", extra={
+            "step": self.step, "version": self.version, "data_cursor": cursor["stream"],
+            "requeued": len(unfinished)})
 
     def _checkpoint(self, force: bool = False) -> None:
-        unfinished = [i.to_json() for i in self.buffer.pending_items()]
-        unfinished += [i.to_json() for i in self.dispatcher.unfinished_items()]
-        meta = {
-            "step": self.step,
-            "version": self.version,
-            "data_cursor": self.data.state_dict(),
+        """Params, optimizer state, step, version and the data position, which includes the
+        prompts drawn but not yet trained on (queued, in flight or buffered)."""
+        # Dispatcher first: a group moving into the buffer meanwhile is then seen twice (and
+        # de-duplicated), never missed. Buffer -> dispatcher moves only happen on this thread.
+        unfinished = {i.uid: i for i in self.dispatcher.unfinished_items()}
+        unfinished.update({i.uid: i for i in self.buffer.pending_items()})
+        cursor = {
+            "stream": self.data.state_dict(),
             "drawn": self.drawn,
-            "unfinished": unfinished,
-            "rng": {"seed": self.cfg.trainer.seed, "step": self.step},
+            "unfinished": [i.to_json() for i in unfinished.values()],
         }
-        self.checkpointer.save(self.step, self.learner, meta, config=self.cfg, force=force)
+        self.checkpointer.save(self.step, self.learner.train_state(),
+                               weight_version=self.version, data_cursor=cursor,
+                               config=to_dict(self.cfg), force=force)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -275,8 +273,7 @@ class TrainerRun:
             "trainer_version": self.version - 1,
         }) + "\n")
         self.trained_file.flush()
-        if self.step % tcfg.checkpoint.every == 0:
-            self._checkpoint()
+        self._checkpoint()  # a no-op unless a save is due
         return metrics
 
     def run(self, progress=None) -> dict[str, float]:
