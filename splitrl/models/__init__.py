@@ -1,7 +1,9 @@
 """Hugging Face-compatible causal LMs (Llama 3, Qwen2/2.5, Qwen3) in flax.nnx.
 
-Parameters carry their HF names and HF shapes (Linear weights [out, in]), so checkpoints,
-trainer state, sampler state and the wire share one naming: see `param_names`.
+Parameters carry their HF names (`model.layers.0.self_attn.q_proj.weight`, ...), so
+checkpoints, trainer state, sampler state, partition rules and the wire share one naming (see
+`param_names`). Shapes follow flax: Linear weights are [in, out] (`lm_head.weight` [D, V]), the
+embedding [V, D]; only checkpoint files (`save_pretrained`, `hf_state_dict`) use torch's [out, in].
 
     model = from_pretrained("/path/to/hf_dir")            # or init_random(config, seed)
     logits, _ = model(tokens, positions, attention_mask=mask)
@@ -26,6 +28,7 @@ from splitrl.models.params import (
     hf_from_state,
     hf_state_dict,
     load_hf_state_dict,
+    model_from_state,
     param_names,
     param_shapes,
     state_from_hf,
@@ -49,6 +52,7 @@ __all__ = [
     "load_config",
     "load_hf_state_dict",
     "logprobs_from_hidden",
+    "model_from_state",
     "param_names",
     "param_shapes",
     "save_pretrained",

@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
 from splitrl.models.config import TransformerConfig
-from splitrl.models.params import from_hf_state_dict, hf_from_state, to_torch_layout
+from splitrl.models.params import (
+    hf_from_state,
+    import_tensor,
+    model_from_state,
+    state_from_hf,
+    to_torch_layout,
+)
 from splitrl.models.transformer import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -34,26 +42,33 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
     return TransformerConfig.from_hf_dict(json.loads(config_path.read_text()))
 
 
-def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
+def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=None,
+                    shardings: Mapping[str, jax.sharding.Sharding] | None = None) -> CausalLM:
     """Loads a local HF checkpoint directory as a `CausalLM` computing in `dtype`.
 
-    Parameters are stored in `param_dtype` (default: `dtype`). Rotary `inv_freq` buffers and a
-    redundant `lm_head.weight` of a tied model are ignored, as transformers does; any other
-    missing or unknown tensor, or a wrong shape, raises a ValueError naming it.
+    Parameters are stored in `param_dtype` (default: `dtype`). With `shardings`
+    (`{hf_name: Sharding}` for the model-layout shapes, e.g. `splitrl.mesh.param_shardings`)
+    each tensor is placed as it is read, so the full model never sits on one device. Rotary
+    `inv_freq` buffers and a redundant `lm_head.weight` of a tied model are ignored, as
+    transformers does; any other missing or unknown tensor, or a wrong shape, raises a
+    ValueError naming it.
     """
     config = load_config(path)
     param_dtype = dtype if param_dtype is None else param_dtype
+    shardings = shardings or {}
     flat = {}
-    for file, names in _weight_files(Path(path)).items():
-        with safe_open(str(file), framework="flax") as f:
-            for name in names if names is not None else f.keys():
-                if _ignored(config, name):
-                    continue
-                flat[name] = f.get_tensor(name).astype(param_dtype)
     try:
-        return from_hf_state_dict(config, flat, dtype, param_dtype=param_dtype)
+        for file, names in _weight_files(Path(path)).items():
+            with safe_open(str(file), framework="flax") as f:
+                for name in names if names is not None else f.keys():
+                    if not _ignored(config, name):
+                        flat[name] = import_tensor(config, name, f.get_tensor(name),
+                                                   param_dtype=param_dtype,
+                                                   sharding=shardings.get(name))
+        state = state_from_hf(config, flat)
     except ValueError as e:
         raise ValueError(f"checkpoint {path}: {e}") from None
+    return model_from_state(config, state, dtype)
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,

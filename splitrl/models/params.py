@@ -101,23 +101,51 @@ def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.n
     return nnx.from_flat_state(leaves)
 
 
+def import_tensor(config: TransformerConfig, name: str, tensor, *, param_dtype=None,
+                  sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """One HF checkpoint tensor (torch layout) -> model layout, cast and optionally placed.
+
+    Checks the torch-layout shape of known names (unknown names are reported later, all
+    together, by `state_from_hf`).
+    """
+    expected = param_shapes(config).get(name)
+    if expected is not None:
+        want = tuple(expected.shape)[::-1] if is_linear_weight(name) else tuple(expected.shape)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {want}")
+    tensor = from_torch_layout(name, jnp.asarray(tensor))
+    if param_dtype is not None:
+        tensor = tensor.astype(param_dtype)
+    return tensor if sharding is None else jax.device_put(tensor, sharding)
+
+
 def from_hf_state_dict(config: TransformerConfig, flat: Mapping[str, jax.Array | np.ndarray],
-                       dtype=jnp.float32, *, param_dtype=None) -> CausalLM:
+                       dtype=jnp.float32, *, param_dtype=None,
+                       shardings: Mapping[str, jax.sharding.Sharding] | None = None
+                       ) -> CausalLM:
     """A `CausalLM` computing in `dtype` from HF checkpoint tensors (torch layout).
 
-    Parameters are cast to `param_dtype` (default: `dtype`). Names and (torch-layout) shapes
-    are checked; errors name the tensor.
+    Parameters are cast to `param_dtype` (default: `dtype`) and placed by `shardings`
+    (`{hf_name: Sharding}`, optional). Names and (torch-layout) shapes are checked; errors
+    name the tensor.
     """
     param_dtype = dtype if param_dtype is None else param_dtype
-    for name, want in param_shapes(config).items():
-        want = tuple(want.shape)[::-1] if is_linear_weight(name) else tuple(want.shape)
-        if name in flat and tuple(flat[name].shape) != want:
-            raise ValueError(f"tensor {name!r} has shape {tuple(flat[name].shape)}, "
-                             f"expected {want}")
-    model_layout = {k: from_torch_layout(k, jnp.asarray(v)) for k, v in flat.items()}
-    state = state_from_hf(config, model_layout, param_dtype=param_dtype)
-    graphdef = nnx.split(abstract_model(config, dtype))[0]
-    return nnx.merge(graphdef, state)
+    shardings = shardings or {}
+    model_layout = {k: import_tensor(config, k, v, param_dtype=param_dtype,
+                                     sharding=shardings.get(k)) for k, v in flat.items()}
+    return model_from_state(config, state_from_hf(config, model_layout), dtype)
+
+
+def model_from_state(config: TransformerConfig, state: nnx.State, dtype=jnp.float32, *,
+                     remat: bool = False) -> CausalLM:
+    """`nnx.merge` of the model's graphdef (compute `dtype`) with a parameter state."""
+    return nnx.merge(_graphdef(config, dtype, remat), state)
+
+
+@functools.lru_cache(maxsize=32)
+def _graphdef(config, dtype, remat):
+    return nnx.split(abstract_model(config, dtype, remat=remat))[0]
 
 
 def hf_state_dict(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:

@@ -166,3 +166,25 @@ def test_tied_checkpoint_with_redundant_lm_head_loads(tiny_config, tmp_path):
     _rewrite(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"]}))
     model = models.from_pretrained(tmp_path)
     assert model.lm_head is None
+
+
+def test_from_pretrained_places_each_tensor_on_its_sharding(checkpoint, tiny_config):
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+
+    def spec(shape):
+        axes = ("fsdp", "tensor")[:len(shape)]
+        return PartitionSpec(*(a if d % 2 == 0 else None for a, d in zip(axes, shape, strict=True)))
+
+    shardings = {name: NamedSharding(mesh, spec(s.shape))
+                 for name, s in models.param_shapes(tiny_config).items()}
+    sharded = models.from_pretrained(checkpoint, shardings=shardings)
+    plain = models.from_pretrained(checkpoint)
+    reference = models.hf_from_state(nnx.state(plain))
+    for name, value in models.hf_from_state(nnx.state(sharded)).items():
+        assert value.sharding == shardings[name], name
+        np.testing.assert_array_equal(value, reference[name])
