@@ -78,7 +78,7 @@ RESUME_DEVICES = 4
 
 
 def resume_learner() -> Learner:
-    return make_learner(mesh_of(RESUME_DEVICES), micro_batch_size=4, epochs_per_batch=2,
+    return make_learner(mesh_of(RESUME_DEVICES), epochs_per_batch=2,
                         algorithm=AlgorithmConfig(loss="gspo", beta=0.05, tis_cap=2.0,
                                                   entropy_coef=0.01))
 
