@@ -1,0 +1,55 @@
+"""Export the trained policy as a Hugging Face model directory that `transformers` loads.
+
+    export_hf(learner.model(), "runs/x/export", source_dir=cfg.model.path)
+
+writes config.json, generation_config.json and safetensors weights (`splitrl.models.
+save_pretrained`, gathered from the trainer's mesh to the host) and, when `source_dir` (the
+checkpoint the run started from) is given, copies its tokenizer files and chat template, so the
+directory is a complete drop-in replacement of the source model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from splitrl.models import CausalLM, save_pretrained
+
+# Everything a tokenizer (fast or slow) and its chat template may live in; weights and the
+# model config never come from the source.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def export_hf(
+    model: CausalLM,
+    out_dir: str | os.PathLike,
+    *,
+    source_dir: str | os.PathLike | None = None,
+    dtype=None,
+) -> Path:
+    """Write `model` to `out_dir` as a HF checkpoint (weights cast to `dtype` if given) and
+    copy the tokenizer files of `source_dir` that exist. Returns the directory."""
+    out = Path(out_dir)
+    save_pretrained(model, out, dtype=dtype)
+    if source_dir is not None:
+        source = Path(source_dir)
+        if not source.is_dir():
+            raise FileNotFoundError(f"export: source model directory {source} does not exist")
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, out / name)
+        if (source / "additional_chat_templates").is_dir():
+            shutil.copytree(source / "additional_chat_templates",
+                            out / "additional_chat_templates", dirs_exist_ok=True)
+    return out
