@@ -7,6 +7,8 @@ are per row (slot - left_pad_of_row), passed by the caller. `mask[b, s]` says wh
 row b holds a real token; a query at slot q attends to valid slots s <= q. All shapes are
 static, the slot is a traced int32 scalar, and updates are `dynamic_update_slice`s, so one
 compiled decode step serves the whole generation (donate the cache to update it in place).
+The caller keeps cache_index + T <= max_len: like any `dynamic_update_slice`, an out-of-range
+write is clamped, not reported (the index is traced, so it cannot be checked here).
 """
 
 from __future__ import annotations
