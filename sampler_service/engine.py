@@ -86,7 +86,7 @@ class GenerationEngine:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._lock = threading.Lock()
         self._programs: set[tuple] = set()
-        self._stats = dict(requests=0, batches=0, sequences=0, tokens_generated=0,
+        self._stats = dict(requests=0, batches=0, prefills=0, sequences=0, tokens_generated=0,
                            generate_seconds=0.0, row_slots=0, last_batch_occupancy=0.0,
                            last_tokens_per_second=0.0)
 
@@ -144,9 +144,10 @@ class GenerationEngine:
 
     @property
     def stats(self) -> dict:
-        """Cumulative counters for metrics: requests, batches, sequences, tokens_generated,
-        generate_seconds, tokens_per_second, batch_occupancy (real rows / padded rows),
-        last_batch_occupancy, last_tokens_per_second, compiled_programs."""
+        """Cumulative counters for metrics: requests, batches, prefills (prompt prefills run),
+        sequences, tokens_generated, generate_seconds, tokens_per_second, batch_occupancy
+        (real rows / padded rows), last_batch_occupancy, last_tokens_per_second and
+        compiled_programs (distinct bucket shapes seen)."""
         with self._lock:
             st = dict(self._stats)
             st["compiled_programs"] = len(self._programs)
@@ -234,6 +235,7 @@ class GenerationEngine:
         with self._lock:
             self._programs.add((p, group, t, plan))
             self._stats["batches"] += 1
+            self._stats["prefills"] += len(groups)
         out_tok, out_lp, lengths, stopped = jax.device_get(
             _run(self.graphdef, state, *args, plan=plan))
         for row, (i, samples) in enumerate(groups):
