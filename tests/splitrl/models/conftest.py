@@ -10,13 +10,14 @@ from flax import nnx
 
 VOCAB = 97  # prime, so no chunk size divides it
 
-# name -> transformers config kwargs; together they cover llama3 rope scaling, q/k/v bias,
-# qk-norm with head_dim != hidden / heads, tied and untied embeddings, GQA and plain MHA.
+# name -> transformers config kwargs; together they cover llama3 rope scaling, q/k/v bias
+# (Qwen2) and q/k/v/o bias (Llama attention_bias), qk-norm with head_dim != hidden / heads, tied
+# and untied embeddings, GQA (incl. one kv head) and plain MHA.
 HF_CONFIGS = {
     "llama3_gqa_untied": dict(
         model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, max_position_embeddings=64,
+        tie_word_embeddings=False, max_position_embeddings=64, attention_bias=True,
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=4.0,
                              low_freq_factor=1.0, high_freq_factor=4.0,
                              original_max_position_embeddings=8)),

@@ -48,7 +48,10 @@ def test_family_switches():
     assert qwen3.qk_norm and qwen3.head_dim == 16 and qwen3.hidden_size == 32
     llama = models.TransformerConfig.from_hf_dict(
         _hf_dict("llama3_gqa_untied", attention_bias=True, eos_token_id=[5, 6]))
-    assert llama.attention_out_bias and llama.eos_token_id == (5, 6)
+    assert llama.attention_bias and llama.attention_out_bias and llama.eos_token_id == (5, 6)
+    plain = models.TransformerConfig.from_hf_dict(
+        _hf_dict("llama3_gqa_untied", attention_bias=False))
+    assert not plain.attention_bias and not plain.attention_out_bias
     assert llama.to_hf_dict()["eos_token_id"] == [5, 6]
 
 
