@@ -139,7 +139,7 @@ class Dispatcher:
     def cancel_sampler(self, handle: SamplerHandle) -> None:
         """Cancel the calls in flight on ``handle`` (it left the pool); their items requeue."""
         with self._lock:
-            calls = [call for h, _, call in self._inflight.values() if h is handle]
+            calls = [c for h, _, c in self._inflight.values() if h is handle and c is not None]
         for call in calls:
             call.cancel()
 
@@ -153,7 +153,7 @@ class Dispatcher:
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
-            calls = [call for _, _, call in self._inflight.values()]
+            calls = [c for _, _, c in self._inflight.values() if c is not None]
         for call in calls:
             call.cancel()
         if self._thread is not None:
@@ -184,15 +184,28 @@ class Dispatcher:
                 if slots <= 0:
                     continue
                 share = math.ceil(len(self._pending) / len(samplers))
-                take = min(slots, share)
-                items = [self._pending.popleft() for _ in range(take)]
+                items = [self._pending.popleft() for _ in range(min(slots, share))]
+                # Registered as in flight in the same critical section that took them from
+                # the queue: outstanding() and checkpoints never miss an item.
+                request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+                self._inflight[request_id] = (handle, items, None)
                 handle.inflight += len(items)
-            self._launch(handle, items, min_version)
+                self.dispatched += len(items)
+            try:
+                self._launch(request_id, handle, items, min_version)
+            except Exception as e:  # the call could not even start: the items go back
+                with self._lock:
+                    self._inflight.pop(request_id, None)
+                    handle.inflight -= len(items)
+                    self._pending.extendleft(reversed(items))
+                self.pool.report_failure(handle, f"rollout could not start: {e}")
+                continue
             launched = True
         return launched
 
-    def _launch(self, handle: SamplerHandle, items: list[WorkItem], min_version: int) -> None:
-        request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+    def _launch(
+        self, request_id: str, handle: SamplerHandle, items: list[WorkItem], min_version: int
+    ) -> None:
         request = sampler_pb2.RolloutRequest(
             request_id=request_id,
             prompts=[prompt_message(i.uid, i.row) for i in items],
@@ -205,7 +218,6 @@ class Dispatcher:
         )
         with self._lock:
             self._inflight[request_id] = (handle, items, call)
-            self.dispatched += len(items)
         threading.Thread(
             target=self._consume, args=(request_id, handle, items, call), daemon=True,
             name=f"rollout-{request_id}",
@@ -230,6 +242,7 @@ class Dispatcher:
                 # bringing it up to date. Not a failure of the sampler.
                 log.info("sampler behind", extra={"address": handle.address, "msg": e.details()})
                 handle.weight_version = min(handle.weight_version, self.min_version() - 1)
+                self.pool.resync(handle)
             elif e.code() != grpc.StatusCode.CANCELLED or not self._stop.is_set():
                 self.pool.report_failure(handle, f"{e.code().name}: {e.details()}")
         finally:

@@ -169,9 +169,11 @@ class SamplerPool:
         with self._lock:
             handle.info = info
             handle.sampler_id = info.sampler_id or handle.sampler_id
-            handle.weight_version = info.weight_version
             handle.last_ok = time.monotonic()
             if handle.state == NEW:
+                # Afterwards the version is tracked from our own pushes (a probe's reply may
+                # be older than a push that completed meanwhile).
+                handle.weight_version = info.weight_version
                 handle.state = SYNCING
                 self.joined += 1
                 joined = True
@@ -190,6 +192,13 @@ class SamplerPool:
                 self.add(address, "dns")
         for handle in self.all():
             self._probe(handle)
+
+    def resync(self, handle: SamplerHandle) -> None:
+        """The sampler lost our weights (e.g. it restarted at the same address): treat it as
+        new, so the next refresh pushes it the current weights before it gets work."""
+        with self._lock:
+            if handle.state != SYNCING:
+                handle.state = NEW
 
     def mark_ready(self, handle: SamplerHandle, version: int) -> None:
         with self._lock:

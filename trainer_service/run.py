@@ -239,6 +239,7 @@ class TrainerRun:
             while_waiting=self._feed,
         )
         t_rollouts = time.monotonic()
+        group_metrics = self._group_metrics(groups)  # staleness against the version used
         batch = build_train_batch(groups, self.cfg.algorithm, pad_id=self.pad_id)
         with self._params_lock:
             metrics = self.learner.train_step(batch)
@@ -254,7 +255,7 @@ class TrainerRun:
         t_push = time.monotonic()
         self._feed()  # next step's prompts go out while we checkpoint and log
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-        metrics.update(self._group_metrics(groups))
+        metrics.update(group_metrics)
         metrics.update({
             "time/wait_rollouts_s": t_rollouts - t0,
             "time/train_s": t_train - t_rollouts,
@@ -310,7 +311,7 @@ class TrainerRun:
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
             export_dir = self.run_dir / "export"
-            export_hf(self.learner, export_dir, source_dir=self.cfg.model.path)
+            export_hf(self.learner.model(), export_dir, source_dir=self.cfg.model.path)
             summary["step"] = float(self.step)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             self.status.state = "done"
