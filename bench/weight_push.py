@@ -126,6 +126,12 @@ def generate_latencies(stub, stop: threading.Event, out: list[float]) -> None:
         out.append(time.perf_counter() - t)
 
 
+def wait_for_calls(latencies: list[float], n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(latencies) < n and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> list[dict]:
     cfg = model_config(size)
     dtype = "float32" if size == "small" else "bfloat16"
@@ -162,7 +168,7 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> list[
                 threads, results = [], [None] * n
                 start = time.perf_counter()
                 for k in range(n):
-                    def run(k=k, v=version):
+                    def run(k=k, v=version, results=results):
                         results[k] = push(stubs[k], params, v, infos[k])
                     threads.append(threading.Thread(target=run))
                     threads[-1].start()
@@ -184,7 +190,7 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> list[
             stop = threading.Event()
             t = threading.Thread(target=generate_latencies, args=(stubs[0], stop, idle))
             t.start()
-            time.sleep(3.0)
+            wait_for_calls(idle, 30, timeout_s=300)
             stop.set()
             t.join()
             during: list[float] = []
@@ -196,8 +202,9 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> list[
                 version += 1
             stop.set()
             t.join()
-            rows[0]["generate_ms_idle_max"] = max(idle[1:]) * 1e3
-            rows[0]["generate_ms_idle_median"] = float(np.median(idle[1:])) * 1e3
+            idle = idle[5:]  # the first calls compile the generation programs
+            rows[0]["generate_ms_idle_max"] = max(idle) * 1e3
+            rows[0]["generate_ms_idle_median"] = float(np.median(idle)) * 1e3
             rows[0]["generate_ms_during_push_max"] = max(during) * 1e3
         return rows
     finally:
