@@ -27,10 +27,11 @@ def test_resume_in_a_new_process_repeats_the_same_steps_exactly(tmp_path):
     key = jax.random.key(7)
     with Checkpointer(ckpt_dir, every=3, keep=2, async_save=True) as ckpt:
         for step in range(1, 6):
-            learner.train_step(resume_batch(step, learner))
+            metrics = learner.train_step(resume_batch(step, learner))
             ckpt.save(step, learner.train_state(), weight_version=step, rng=key,
                       data_cursor={"index": 10 * step, "epoch": 0}, config={"seed": 0})
         assert ckpt.all_steps() == [3]
+    assert metrics["kl"] > 0  # the policy has left the frozen reference
     after_5 = _host(learner.params)
 
     # Same process: a fresh learner restored at step 3 and doing steps 4-5 lands on after_5.
