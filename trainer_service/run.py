@@ -307,7 +307,8 @@ class TrainerRun:
             if self.stop_event.is_set():
                 self.status.state = "stopped"
                 return summary
-            self._checkpoint(force=True)
+            if self.checkpointer.latest_step() != self.step:
+                self._checkpoint(force=True)
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
             export_dir = self.run_dir / "export"
