@@ -1,8 +1,9 @@
 """The learner: the policy's parameters and optimizer state on the trainer's mesh, and one
 GRPO/GSPO train step over a batch of scored rollouts.
 
-    learner = Learner(model, algorithm=cfg.algorithm, optimizer=cfg.trainer.optimizer, mesh=mesh)
-    metrics = learner.train_step(batch)          # batch: TrainBatch (see below)
+    learner = Learner.from_config(model, cfg, mesh)   # or Learner(model, algorithm=..., ...)
+    metrics = learner.train_step(batch)               # batch: TrainBatch (see below)
+    learner.params                                    # {hf_name: array} on the trainer's mesh
 
 One train step, for each of `epochs_per_batch` epochs over the batch:
     for each micro-batch:
@@ -148,43 +149,67 @@ class Learner:
         self._spec = _ForwardSpec(self._graphdef, self.config, logprob_chunk_size, temperature)
         self._settings = tuple(sorted(self.loss_settings.items()))
 
+    @classmethod
+    def from_config(cls, model: CausalLM, cfg, mesh: Mesh) -> Learner:
+        """A learner for a whole run's `splitrl.config.Config` on the trainer's `mesh`."""
+        if cfg.sampling.temperature <= 0:
+            raise ValueError("sampling.temperature must be > 0 for GRPO training, "
+                             f"got {cfg.sampling.temperature}")
+        return cls(
+            model,
+            algorithm=cfg.algorithm,
+            optimizer=cfg.trainer.optimizer,
+            mesh=mesh,
+            strategy=cfg.trainer.mesh.strategy,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            epochs_per_batch=cfg.trainer.epochs_per_batch,
+            temperature=cfg.sampling.temperature,
+            logprob_chunk_size=cfg.model.logprob_chunk_size,
+        )
+
     # ------------------------------------------------------------------ the algorithm
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO/GSPO update on `batch`; returns the step's metrics (host floats)."""
-        completion_mask, filtered = self._filter(batch)
-        counts = {
+        completion_mask, filtered = self._filter(batch)  # optional zero-variance filter
+        metrics = self._batch_metrics(batch, completion_mask, filtered)
+        counts = {  # the full batch's normalisers, shared by every micro-batch
             "num_tokens": float(completion_mask[:, 1:].sum()),
             "num_sequences": float((completion_mask.sum(-1) > 0).sum()),
         }
-        metrics = self._batch_metrics(batch, completion_mask, filtered)
         if counts["num_tokens"] == 0:  # everything filtered: no update at all
             return {**metrics, "skipped": 1.0, "lr": float(self.schedule(self._updates()))}
 
         micro_batches = self._micro_batches(batch, completion_mask)
-        ref = [self._reference_logprobs(mb) for mb in micro_batches]
-        old: list[jax.Array | None] = [None] * len(micro_batches)
-        epoch_metrics = []
+        ref = [self._reference_logprobs(mb) for mb in micro_batches]  # None unless beta > 0
+        old = None  # pi_old: the first epoch's logprobs
+        per_epoch = []
         for _ in range(self.epochs):
-            lr = self.schedule(self._updates())
-            grads, step_metrics = None, []
-            for i, mb in enumerate(micro_batches):
-                first_epoch = old[i] is None  # then pi_old = this forward's logprobs
-                grads, logp, m = _grad_step(
-                    self._spec, self._settings,
-                    _zeros_like(self.params) if grads is None else grads, self.params, mb,
-                    jnp.zeros_like(mb["sampler_logprobs"][:, 1:]) if first_epoch else old[i],
-                    first_epoch, ref[i], counts,
-                )
-                old[i] = logp if first_epoch else old[i]
-                step_metrics.append(m)
+            lr = float(self.schedule(self._updates()))
+            grads, old, loss_metrics = self._accumulate_gradients(micro_batches, old, ref, counts)
             self.params, self.opt_state, grad_norm = _apply_update(
                 self.tx, self.params, self.opt_state, grads
             )
-            epoch_metrics.append({**_combine(step_metrics), "grad_norm": grad_norm, "lr": lr})
+            per_epoch.append({**loss_metrics, "grad_norm": float(grad_norm), "lr": lr})
         self.step += 1
-        metrics.update(_mean_over_epochs(epoch_metrics))
+        metrics.update(_mean_over_epochs(per_epoch))
         return metrics
+
+    def _accumulate_gradients(self, micro_batches, old, ref, counts):
+        """Sum of the micro-batch gradients (= the full batch's), the logprobs to use as pi_old
+        in later epochs, and the batch's loss metrics."""
+        grads, parts = _zeros_like(self.params), []
+        first_epoch = old is None
+        old = [None] * len(micro_batches) if first_epoch else old
+        for i, mb in enumerate(micro_batches):
+            placeholder = jnp.zeros_like(mb["sampler_logprobs"][:, 1:])
+            grads, logp, m = _grad_step(
+                self._spec, self._settings, grads, self.params, mb,
+                placeholder if first_epoch else old[i], first_epoch, ref[i], counts,
+            )
+            old[i] = logp if first_epoch else old[i]
+            parts.append(m)
+        return grads, old, _combine(parts)
 
     # ------------------------------------------------------------------ helpers
 

@@ -8,10 +8,17 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from trainer_helpers import make_learner, mesh_of, rollout_batch
+from trainer_helpers import make_learner, mesh_of, rollout_batch, tiny_model
 
-from splitrl.config import AlgorithmConfig, OptimizerConfig
-from trainer_service.learner import TrainBatch
+from splitrl.config import (
+    AlgorithmConfig,
+    Config,
+    MeshConfig,
+    OptimizerConfig,
+    SamplingConfig,
+    TrainerConfig,
+)
+from trainer_service.learner import Learner, TrainBatch
 
 CONSTANT_LR = OptimizerConfig(lr=1e-2)
 
@@ -111,3 +118,17 @@ def test_malformed_batches_are_rejected_with_the_field_name():
     with pytest.raises(ValueError, match="position 0"):
         TrainBatch(b.tokens, b.attention_mask, bad, b.sampler_logprobs, b.advantages,
                    b.group_ids)
+
+
+def test_from_config_reads_the_run_config():
+    cfg = Config(
+        algorithm=AlgorithmConfig(loss="gspo-token", beta=0.0),
+        sampling=SamplingConfig(temperature=0.7),
+        trainer=TrainerConfig(micro_batch_size=4, epochs_per_batch=2,
+                              mesh=MeshConfig(axes={"tensor": 2}, strategy="tp")),
+    )
+    learner = Learner.from_config(tiny_model(), cfg, mesh_of(2, axes=("tensor",)))
+    assert (learner.micro_batch_size, learner.epochs, learner.temperature) == (4, 2, 0.7)
+    assert learner.loss_settings["loss"] == "gspo-token" and learner.ref_params is None
+    q = learner.params["model.layers.0.self_attn.q_proj.weight"]
+    assert "tensor" in tuple(q.sharding.spec)
