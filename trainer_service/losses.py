@@ -16,8 +16,10 @@ the sampler/trainer mismatch (different numerics, or a stale weight version):
 
     w_t = min(exp(old_t - sampler_t), tis_cap)        (no gradient; absent when tis_cap is None)
 
+The weight is per token for every loss (for gspo it multiplies the sequence loss at each token).
 A caller with no trainer recomputation may pass the sampler's logprobs as `old` and no TIS; the
-clip then acts directly on pi_theta / pi_sampler.
+clip then acts directly on pi_theta / pi_sampler. Metric "sampler_kl" is the k3 estimate of
+KL(pi_sampler || pi_old) on the sampled tokens, a gauge of that mismatch.
 
 Every log-ratio is clamped to [-logratio_clamp, logratio_clamp] before exp, so one wildly
 off-policy token cannot overflow the loss.
@@ -318,6 +320,10 @@ def compute_loss(
     )
     policy = terms.loss
     metrics: dict[str, jnp.ndarray] = {}
+    if sampler is not None:  # how far the sampler's numbers are from the trainer's pi_old
+        metrics["sampler_kl"] = token_mean(
+            kl_penalty(sampler, old, "k3", logratio_clamp=logratio_clamp)
+        )
     if tis_cap is not None:
         if sampler is None:
             raise ValueError("tis_cap is set but no sampler logprobs were given")

@@ -163,6 +163,9 @@ def test_truncated_importance_weights_multiply_policy_term():
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
     np.testing.assert_allclose(m["tis_capped_frac"], 2 / 5)
     np.testing.assert_allclose(m["tis_weight_mean"], (sum(w[0]) + sum(w[1])) / 5, rtol=1e-6)
+    # k3 with d = old - sampler, on the 5 completion tokens
+    d = np.array([0.3, 1.0, -2.0, 0.0, 2.0])
+    np.testing.assert_allclose(m["sampler_kl"], np.mean(E(d) - d - 1), rtol=1e-6)
     with pytest.raises(ValueError, match="no sampler logprobs"):
         _loss(tis_cap=2.0)
 
