@@ -107,6 +107,7 @@ class Dispatcher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._seeds_used = 0
         self.redispatched = 0
         self.dispatched = 0
 
@@ -206,11 +207,17 @@ class Dispatcher:
     def _launch(
         self, request_id: str, handle: SamplerHandle, items: list[WorkItem], min_version: int
     ) -> None:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        # A seed per request, derived from the run's seed: reproducible samples for a request,
+        # fresh noise for every request (one fixed seed would repeat the same draws each step).
+        sampling.seed = (self.sampling.seed * 1_000_003 + self._seeds_used) % (1 << 63)
+        self._seeds_used += 1
         request = sampler_pb2.RolloutRequest(
             request_id=request_id,
             prompts=[prompt_message(i.uid, i.row) for i in items],
             group_size=self.group_size,
-            sampling=self.sampling,
+            sampling=sampling,
             min_version=min_version,
         )
         call = handle.stub.Rollout(
