@@ -152,9 +152,6 @@ class Learner:
     @classmethod
     def from_config(cls, model: CausalLM, cfg, mesh: Mesh) -> Learner:
         """A learner for a whole run's `splitrl.config.Config` on the trainer's `mesh`."""
-        if cfg.sampling.temperature <= 0:
-            raise ValueError("sampling.temperature must be > 0 for GRPO training, "
-                             f"got {cfg.sampling.temperature}")
         return cls(
             model,
             algorithm=cfg.algorithm,
@@ -163,7 +160,7 @@ class Learner:
             strategy=cfg.trainer.mesh.strategy,
             micro_batch_size=cfg.trainer.micro_batch_size,
             epochs_per_batch=cfg.trainer.epochs_per_batch,
-            temperature=cfg.sampling.temperature,
+            temperature=cfg.sampling.temperature or 1.0,  # greedy samplers report T = 1
             logprob_chunk_size=cfg.model.logprob_chunk_size,
         )
 
