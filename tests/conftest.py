@@ -17,6 +17,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# One persistent XLA compilation cache for the test process and every service it starts: the
+# e2e tests start many sampler/trainer processes that compile the same programs.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 SHARED_DATA = (REPO_ROOT.parent / "shared" / "data").resolve()
 
 
