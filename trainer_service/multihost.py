@@ -1,0 +1,239 @@
+"""The trainer as a multi-controller JAX program: process 0 leads, every process trains.
+
+On a multi-host slice every host runs ``splitrl trainer`` and ``splitrl.distributed`` joins them
+into one JAX runtime whose mesh spans all hosts' devices. A jitted step on that mesh is a
+collective: every process must make the same call, in the same order, on the same inputs. So
+
+- process 0, the **leader**, does everything that talks to the world: the gRPC server, the
+  sampler pool, dispatcher, buffer, publisher, data stream, evaluation, metrics files;
+- every other process, a **follower**, builds the same mesh and ``Learner`` and then only obeys
+  the leader (:func:`follow`), making the collective call that matches each control message::
+
+    leader (run.py)                                    follower (follow)
+    hosts.train(batch)         -- train + shapes -->   batch = hosts.receive_batch(message)
+    learner.train_step(batch)                          learner.train_step(batch)
+    hosts.params_for_push(...) -- gather ---------->   gather_params(learner.params) (dropped)
+    hosts.checkpoint(step, v)  -- checkpoint ------>   checkpointer.save(step, ..., force=True)
+    checkpointer.save(...)
+    hosts.stop()               -- stop ------------>   close the checkpointer, exit 0 (1: failed)
+
+Control messages are small JSON values in the key-value store of the ``jax.distributed``
+coordination service (hosted by process 0): a follower waits for message n with a blocking get
+that costs nothing while the leader waits for rollouts or evaluates, so no device collective
+is left pending for minutes. The batch goes device to device (``broadcast_one_to_all``), its
+shapes announced in the ``train`` message first (T varies with the bucket); followers get it
+bitwise. Orbax is multi-process aware: every process writes its own shards, and the JSON
+metadata (step, version, the data cursor) is written by process 0 only, so the cursor on disk
+is the leader's.
+
+Weight push: the sender (``splitrl.wire``) reads every region from shards its process holds,
+and with a mesh over several processes the leader holds only its own hosts'. So for a push
+every process gathers the params, one tensor at a time (``process_allgather``: each tensor is
+replicated on the devices, then copied to the host); followers drop each tensor at once, the
+leader keeps them. Cost: the whole model in host RAM on the leader (params' dtype, e.g. 16 GB
+for 8B parameters in bf16), one full tensor at a time on every device, and one all-gather of
+the model per push. The leader keeps the last gathered copy: samplers joining between pushes
+get it (the last pushed version), since a collective cannot start from the membership thread.
+A single process does none of this: params are pushed straight from the devices (zero-copy).
+
+Failure: if the leader dies, the coordination service dies with it and JAX terminates the
+followers; the indexed Job restarts all of them, and they resume from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from trainer_service.learner import TrainBatch
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "splitrl/trainer/control/"
+OPS = ("train", "gather", "checkpoint", "stop")
+_FIELDS = [f.name for f in dataclasses.fields(TrainBatch)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One control message from the leader; followers act on them in ``seq`` order."""
+
+    seq: int
+    op: str  # one of OPS
+    step: int = 0
+    version: int = 0
+    batch: dict[str, list] | None = None  # train: {field: [dtype, shape]} of the batch arrays
+    failed: bool = False  # stop: the leader's run failed
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Message:
+        message = cls(**json.loads(text))
+        if message.op not in OPS:
+            raise ValueError(f"control message {message.seq}: unknown op {message.op!r}")
+        return message
+
+
+class HostGroup:
+    """This process's place in the trainer's process group, and the leader's side of the
+    protocol. With one process every method is a pass-through and nothing is sent."""
+
+    def __init__(self, process_index: int = 0, process_count: int = 1, client: Any = None,
+                 poll_s: float = 60.0):
+        if process_count > 1 and client is None:
+            raise RuntimeError(f"{process_count} JAX processes but no jax.distributed client")
+        self.index = process_index
+        self.count = process_count
+        self.client = client
+        self.poll_s = poll_s
+        self._seq = 0
+        self._stopped = False
+        # The leader's host copy of the params from the last gather, and its weight version.
+        self.gathered: tuple[dict[str, np.ndarray], int] | None = None
+
+    @classmethod
+    def current(cls) -> HostGroup:
+        """The group of the running JAX runtime (after ``splitrl.distributed``)."""
+        count = jax.process_count()
+        client = None
+        if count > 1:
+            from jax._src import distributed
+
+            client = distributed.global_state.client
+        return cls(jax.process_index(), count, client)
+
+    @property
+    def multi(self) -> bool:
+        return self.count > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.index == 0
+
+    # ------------------------------------------------------------------ leader
+
+    def train(self, batch: TrainBatch) -> TrainBatch:
+        """Hand ``batch`` to every follower (they train on it next); returns it unchanged."""
+        if self.multi:
+            arrays = {name: np.asarray(getattr(batch, name)) for name in _FIELDS
+                      if getattr(batch, name) is not None}
+            self._send("train", batch={k: [v.dtype.name, list(v.shape)]
+                                       for k, v in arrays.items()})
+            multihost_utils.broadcast_one_to_all(
+                {k: _wire(v) for k, v in arrays.items()}, is_source=True)
+        return batch
+
+    def params_for_push(self, params: Mapping[str, jax.Array], version: int) -> Mapping:
+        """Params the weight sender can read whole: ``params`` itself with one process, else a
+        host copy gathered with the followers' help (kept for samplers that join later)."""
+        if not self.multi:
+            return params
+        self._send("gather", version=version)
+        host = gather_params(params)
+        self.gathered = (host, version)
+        return host
+
+    def checkpoint(self, step: int, version: int) -> None:
+        """Tell the followers to save their shards of step ``step``, as the leader does next."""
+        if self.multi:
+            self._send("checkpoint", step=step, version=version)
+
+    def stop(self, failed: bool = False) -> None:
+        """Release the followers (once): they close their checkpointer and exit."""
+        if self.multi and self.is_leader and not self._stopped:
+            self._stopped = True
+            self._send("stop", failed=failed)
+
+    def _send(self, op: str, **fields) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"process {self.index} is a follower; only process 0 sends {op!r}")
+        message = Message(self._seq, op, **fields)
+        self.client.key_value_set(KEY_PREFIX + str(message.seq), message.to_json())
+        if message.seq >= 2:
+            # Every follower has read message n-2: it took part in message n-1's collective.
+            _delete_quietly(self.client, KEY_PREFIX + str(message.seq - 2))
+        self._seq += 1
+
+    # ------------------------------------------------------------------ follower
+
+    def receive(self) -> Message:
+        """The leader's next control message (waits as long as the leader needs)."""
+        key = KEY_PREFIX + str(self._seq)
+        waited = 0.0
+        while True:
+            try:
+                text = self.client.blocking_key_value_get(key, int(self.poll_s * 1000))
+                break
+            except Exception as e:  # the client raises on its deadline; anything else is fatal
+                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                    raise
+                waited += self.poll_s
+                log.info("waiting for the leader", extra={"message": self._seq,
+                                                          "waited_s": round(waited)})
+        message = Message.from_json(text)
+        if message.seq != self._seq:
+            raise RuntimeError(f"control message {self._seq}: got seq {message.seq}")
+        self._seq += 1
+        return message
+
+    def receive_batch(self, message: Message) -> TrainBatch:
+        """The batch the leader broadcasts after a ``train`` message."""
+        spec = {k: (np.dtype(dtype), tuple(shape)) for k, (dtype, shape) in message.batch.items()}
+        zeros = {k: _wire(np.zeros(shape, dtype)) for k, (dtype, shape) in spec.items()}
+        arrays = multihost_utils.broadcast_one_to_all(zeros, is_source=False)
+        return TrainBatch(**{k: np.asarray(arrays[k]).astype(spec[k][0]) for k in spec})
+
+
+def follow(hosts: HostGroup, learner, checkpointer, on_message=None) -> bool:
+    """A follower's whole run: obey the leader's control messages until ``stop``.
+
+    Returns False if the leader reported that its run failed. ``on_message(message)`` is called
+    after each message has been carried out (status, logging).
+    """
+    if hosts.is_leader:
+        raise RuntimeError("follow() runs on followers; process 0 leads")
+    while True:
+        message = hosts.receive()
+        t0 = time.monotonic()
+        if message.op == "train":
+            learner.train_step(hosts.receive_batch(message))
+        elif message.op == "gather":
+            gather_params(learner.params)
+        elif message.op == "checkpoint":
+            checkpointer.save(message.step, learner.train_state(),
+                              weight_version=message.version, force=True)
+        log.debug("control message done", extra={"op": message.op, "step": message.step,
+                                                  "seconds": time.monotonic() - t0})
+        if on_message is not None:
+            on_message(message)
+        if message.op == "stop":
+            return not message.failed
+
+
+def gather_params(params: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
+    """Every parameter whole on the host of every process, one tensor at a time (collective:
+    every process calls it with the same names)."""
+    return {name: np.asarray(multihost_utils.process_allgather(params[name], tiled=True))
+            for name in sorted(params)}
+
+
+def _wire(array: np.ndarray) -> np.ndarray:
+    """bool travels as uint8: the broadcast is a sum with zeros from the other processes."""
+    return array.astype(np.uint8) if array.dtype == np.bool_ else array
+
+
+def _delete_quietly(client, key: str) -> None:
+    try:
+        client.key_value_delete(key)
+    except Exception as e:  # housekeeping only
+        log.debug("could not delete control key", extra={"key": key, "error": str(e)})
