@@ -90,6 +90,7 @@ class SamplerPool:
         self._max_message_bytes = max_message_bytes
         self._lock = threading.RLock()
         self._samplers: dict[str, SamplerHandle] = {}
+        self._dropped: dict[str, float] = {}  # address -> when it was dropped
         self._on_join = on_join or (lambda h: None)
         self._on_leave = on_leave or (lambda h, why: None)
         self._stop = threading.Event()
@@ -102,11 +103,11 @@ class SamplerPool:
     def add(self, address: str, source: str, sampler_id: str = "") -> SamplerHandle:
         with self._lock:
             handle = self._samplers.get(address)
-            if handle is not None:
-                handle.last_ok = time.monotonic()
+            if handle is not None:  # known already; only a successful call refreshes last_ok
                 if sampler_id:
                     handle.sampler_id = sampler_id
                 return handle
+            self._dropped.pop(address, None)
             channel = make_channel(address, self._max_message_bytes, self._cfg.auth)
             handle = SamplerHandle(
                 address=address,
@@ -128,6 +129,7 @@ class SamplerPool:
             if self._samplers.get(handle.address) is not handle:
                 return
             del self._samplers[handle.address]
+            self._dropped[handle.address] = time.monotonic()
             self.left += 1
         handle.channel.close()
         log.warning("sampler dropped", extra={"address": handle.address, "why": why})
@@ -185,11 +187,15 @@ class SamplerPool:
 
     def refresh(self) -> None:
         """Resolve DNS, probe every sampler, drop the dead ones, announce the new ones."""
-        for address in self._cfg.sampler_addresses:
-            self.add(address, "static")
+        candidates = [(a, "static") for a in self._cfg.sampler_addresses]
         if self._cfg.sampler_dns:
-            for address in resolve_dns(self._cfg.sampler_dns):
-                self.add(address, "dns")
+            candidates += [(a, "dns") for a in resolve_dns(self._cfg.sampler_dns)]
+        for address, source in candidates:
+            # A configured address that was dropped is tried again after a back-off (it may
+            # be restarted); registration (RegisterSampler) re-adds at once.
+            dropped = self._dropped.get(address)
+            if dropped is None or time.monotonic() - dropped > self._cfg.sampler_timeout_s:
+                self.add(address, source)
         for handle in self.all():
             self._probe(handle)
 

@@ -7,8 +7,11 @@ import os
 import signal
 from collections import Counter
 
+import grpc
 import pytest
 
+from splitrl.serving import make_channel
+from splitrl.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from tests.e2e.harness import (
     log_records,
     run_config,
@@ -27,9 +30,10 @@ FAST = ("trainer.eval_before=false", "trainer.eval_after=false")
 
 def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path):
     run_dir = tmp_path / "run"
-    steps, per_step = 24, 16
+    # Long enough that the newcomer (tens of seconds to start and compile) joins mid-run.
+    steps, per_step = 150, 8
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
-                     f"trainer.prompts_per_step={per_step}", "trainer.checkpoint.every=100",
+                     f"trainer.prompts_per_step={per_step}", "trainer.checkpoint.every=1000",
                      *FAST)
     launcher = Launcher(cfg)
     try:
@@ -38,9 +42,20 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
         victim = launcher.procs["sampler-0"]
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
-        wait_for(lambda: status_step(launcher) >= 8, 300, "step 8 after the kill", launcher)
         # A sampler started mid-run registers itself, receives the weights, then gets work.
         newcomer = launcher.start_sampler(2)
+
+        def newcomer_ready():
+            try:
+                status = launcher.status()
+            except grpc.RpcError:
+                return None
+            return any(s.address == newcomer and s.healthy for s in status.samplers) and status
+
+        status = wait_for(newcomer_ready, 300, "the new sampler to be ready", launcher)
+        assert status.step < steps, "the run ended before the new sampler joined"
+        assert not any(s.address == launcher.sampler_addresses[0] and s.healthy
+                       for s in status.samplers), "the killed sampler is still listed healthy"
         code = wait_exit(launcher, "trainer", 600)
         assert code == 0, tail(launcher.log_dir / "trainer.log")
     finally:
@@ -106,13 +121,26 @@ def test_trainer_killed_resumes_from_checkpoint(arith_model, tmp_path):
     assert redone <= {u for r in after for u in r["uids"]}, "lost steps were trained again"
 
 
-def test_async_staleness_is_bounded(arith_model, tmp_path):
+def test_async_staleness_is_bounded_with_auth(arith_model, tmp_path):
+    """max_staleness = 1 with a shared auth token on every service: the run uses the token
+    throughout, and calls without it are refused."""
     run_dir = tmp_path / "run"
-    cfg = run_config(arith_model, run_dir, "trainer.steps=16", "trainer.max_staleness=1",
-                     "trainer.checkpoint.every=100", *FAST)
+    cfg = run_config(arith_model, run_dir, "trainer.steps=30", "trainer.max_staleness=1",
+                     "trainer.checkpoint.every=100", "services.auth.token=s3cret", *FAST)
     launcher = Launcher(cfg)
     try:
         launcher.up()
+        wait_for(lambda: status_step(launcher) >= 2, 300, "step 2", launcher)
+        with make_channel(launcher.trainer_address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                trainer_pb2_grpc.TrainerStub(channel).RegisterSampler(
+                    trainer_pb2.RegisterSamplerRequest(address="127.0.0.1:1"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with make_channel(launcher.sampler_addresses[0]) as channel:
+            header = sampler_pb2.WeightPushMessage(header=sampler_pb2.PushHeader(version=10**6))
+            with pytest.raises(grpc.RpcError) as err:
+                sampler_pb2_grpc.SamplerStub(channel).PushWeights(iter([header]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
     finally:
         launcher.stop()
