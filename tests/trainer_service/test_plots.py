@@ -1,0 +1,25 @@
+"""`splitrl plot RUN_DIR` draws a run's curves from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+from splitrl.cli import main
+
+
+def test_plot_writes_pngs_for_the_metrics_present(tmp_path, capsys):
+    records = [{"step": 0, "eval_before/accuracy": 0.1}]
+    records += [{"step": s, "reward/mean": s / 10, "accuracy/mean": s / 10, "kl": 0.01 * s,
+                 "staleness/max": 1, "throughput/tokens_per_s": 100.0} for s in range(1, 6)]
+    records += [{"step": 5, "eval_after/accuracy": 0.9}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert main(["plot", str(tmp_path)]) == 0
+    written = {p.name for p in (tmp_path / "plots").glob("*.png")}
+    assert {"overview.png", "reward.png", "accuracy.png", "kl.png", "staleness.png"} <= written
+    assert "entropy.png" not in written  # no entropy in these metrics: no empty panel
+    assert all((tmp_path / "plots" / n).stat().st_size > 1000 for n in written)
+
+
+def test_plot_of_a_directory_without_metrics_says_so(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
