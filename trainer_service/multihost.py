@@ -227,6 +227,20 @@ def gather_params(params: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
             for name in sorted(params)}
 
 
+def host_model(learner, params: Mapping[str, np.ndarray]):
+    """The policy as an nnx model over host params (e.g. the leader's gathered copy, for the
+    export), placed on the CPU backend when there is one rather than on one accelerator."""
+    from splitrl.models import model_from_state, state_from_hf
+
+    try:
+        device = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        device = None
+    with jax.default_device(device):
+        return model_from_state(learner.config, state_from_hf(learner.config, params),
+                                learner.dtype)
+
+
 def _wire(array: np.ndarray) -> np.ndarray:
     """bool travels as uint8: the broadcast is a sum with zeros from the other processes."""
     return array.astype(np.uint8) if array.dtype == np.bool_ else array

@@ -17,6 +17,11 @@ Nothing is lost: prompts drawn from the data but not yet trained on (queued, in 
 buffered) are saved with every checkpoint and re-queued first on resume; a sampler's failure
 re-queues its prompts (see ``dispatcher.py``). Every trained prompt uid is appended to
 ``trained_prompts.jsonl`` so a run can be audited for exactly-once training.
+
+Multi-host (several JAX processes, see ``multihost.py``): process 0 runs this loop; every other
+process builds the same mesh and learner and follows it, making the same collective calls
+(train step, gather for a push, checkpoint) in the same order. The ``self.hosts`` calls below
+are those hand-offs; with one process they do nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from trainer_service.evaluation import accuracy_function, evaluate
 from trainer_service.export import export_hf
 from trainer_service.learner import Learner
 from trainer_service.membership import SamplerHandle, SamplerPool
+from trainer_service.multihost import HostGroup, follow, host_model
 from trainer_service.publisher import WeightPublisher
 from trainer_service.rollouts import RolloutBuffer, RolloutGroup, WorkItem
 
@@ -69,17 +75,16 @@ class TrainerRun:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         tcfg = cfg.trainer
+        self.hosts = HostGroup.current()  # process 0 leads; one process: the leader, alone
         self.run_dir = Path(tcfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, self.run_dir / "config.yaml")
         self.status = RunState(total_steps=tcfg.steps)
         self.stop_event = threading.Event()
         self.metadata = auth_metadata(cfg.services.auth)
 
+        # Every process: the global mesh, the learner and its checkpoints.
         self.mesh = build_mesh(tcfg.mesh)
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.pad_id = self.tokenizer.pad_token_id or 0
         self.learner = Learner(
             model,
             algorithm=cfg.algorithm,
@@ -91,13 +96,22 @@ class TrainerRun:
             temperature=cfg.sampling.temperature or 1.0,
             logprob_chunk_size=cfg.model.logprob_chunk_size,
         )
-        self.data = PromptStream.from_config(tcfg.data, tokenizer=self.tokenizer)
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
         self.version = 0
         self.step = 0
         self.drawn = 0  # prompts drawn from the data so far: makes every work item's uid unique
         self._params_lock = threading.Lock()
+        if self.hosts.is_leader:
+            self._init_leader()
+        self._restore()
 
+    def _init_leader(self) -> None:
+        """The leader's parts: data, samplers, rollouts, weight pushes, metrics files."""
+        cfg, tcfg = self.cfg, self.cfg.trainer
+        dump_config(cfg, self.run_dir / "config.yaml")
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        self.data = PromptStream.from_config(tcfg.data, tokenizer=self.tokenizer)
         self.pool = SamplerPool(
             cfg.services,
             max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
@@ -118,13 +132,19 @@ class TrainerRun:
         self.accuracy_fn = accuracy_function(names)
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         self.trained_file = (self.run_dir / "trained_prompts.jsonl").open("a")
-        self._restore()
 
     # -- membership callbacks -------------------------------------------------------------
 
     def _host_params(self):
         with self._params_lock:
+            if self.hosts.multi:  # a collective cannot start on this thread: the last gather
+                return self.hosts.gathered
             return jax.device_get(self.learner.params), self.version
+
+    def _params_for_push(self):
+        """The params as the weight sender reads them: straight from the devices (one
+        process), or gathered to this host together with the followers (multi-host)."""
+        return self.hosts.params_for_push(self.learner.params, self.version)
 
     def _on_sampler_join(self, handle: SamplerHandle) -> None:
         """A new sampler gets the current weights before it gets work."""
@@ -144,6 +164,8 @@ class TrainerRun:
         ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
         self.learner.load_train_state(ckpt.state, ckpt.step)
         self.step, self.version = ckpt.step, ckpt.weight_version
+        if not self.hosts.is_leader:
+            return  # the data cursor is the leader's
         cursor = ckpt.data_cursor
         self.data.load_state_dict(cursor["stream"])
         self.drawn = int(cursor["drawn"])
@@ -156,6 +178,8 @@ class TrainerRun:
     def _checkpoint(self, force: bool = False) -> None:
         """Params, optimizer state, step, version and the data position, which includes the
         prompts drawn but not yet trained on (queued, in flight or buffered)."""
+        if not (force or self.checkpointer.should_save(self.step)):
+            return
         # Dispatcher first: a group moving into the buffer meanwhile is then seen twice (and
         # de-duplicated), never missed. Buffer -> dispatcher moves only happen on this thread.
         unfinished = {i.uid: i for i in self.dispatcher.unfinished_items()}
@@ -165,9 +189,10 @@ class TrainerRun:
             "drawn": self.drawn,
             "unfinished": [i.to_json() for i in unfinished.values()],
         }
+        self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
         self.checkpointer.save(self.step, self.learner.train_state(),
                                weight_version=self.version, data_cursor=cursor,
-                               config=to_dict(self.cfg), force=force)
+                               config=to_dict(self.cfg), force=True)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -241,13 +266,14 @@ class TrainerRun:
         t_rollouts = time.monotonic()
         group_metrics = self._group_metrics(groups)  # staleness against the version used
         batch = build_train_batch(groups, self.cfg.algorithm, pad_id=self.pad_id)
+        self.hosts.train(batch)  # multi-host: every process trains on this batch
         with self._params_lock:
             metrics = self.learner.train_step(batch)
             self.version += 1
             self.step += 1
         t_train = time.monotonic()
         if self.step % tcfg.push_every == 0 or self.step == tcfg.steps:
-            results = self.publisher.push_all(self.learner.params, self.version)
+            results = self.publisher.push_all(self._params_for_push(), self.version)
             pushed = [r for r in results if r.ok]
             metrics["push/seconds"] = max((r.seconds for r in pushed), default=0.0)
             metrics["push/mb"] = sum(r.bytes for r in pushed) / 2**20
@@ -278,11 +304,15 @@ class TrainerRun:
         return metrics
 
     def run(self, progress=None) -> dict[str, float]:
+        if not self.hosts.is_leader:
+            return self._follow()
         tcfg = self.cfg.trainer
-        self.pool.start()
-        self.dispatcher.start()
         summary: dict[str, float] = {}
         try:
+            if self.hosts.multi:
+                self._params_for_push()  # the copy that joining samplers are synced from
+            self.pool.start()
+            self.dispatcher.start()
             self._wait_for_samplers()
             if tcfg.eval_before and self.step == 0:
                 summary.update(self._evaluate("eval_before"))
@@ -312,7 +342,7 @@ class TrainerRun:
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
             export_dir = self.run_dir / "export"
-            export_hf(self.learner.model(), export_dir, source_dir=self.cfg.model.path)
+            export_hf(self._policy_model(), export_dir, source_dir=self.cfg.model.path)
             summary["step"] = float(self.step)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             self.status.state = "done"
@@ -323,14 +353,43 @@ class TrainerRun:
         finally:
             self.close()
 
+    def _policy_model(self):
+        """The current policy as an nnx model on this host (for the export)."""
+        if not self.hosts.multi:
+            return self.learner.model()
+        params, version = self.hosts.gathered  # the final step's push gathered them
+        if version != self.version:
+            params = self._params_for_push()
+        return host_model(self.learner, params)
+
+    def _follow(self) -> dict[str, float]:
+        """A follower's run: the leader's train steps, gathers and checkpoints, on its word."""
+        self.status.state = "training"
+
+        def on_message(message):
+            self.status.step = self.learner.step
+            set_context(step=self.learner.step)
+
+        try:
+            ok = follow(self.hosts, self.learner, self.checkpointer, on_message)
+            self.status.state = "done" if ok else "failed"
+            return {}
+        except Exception:
+            self.status.state = "failed"
+            raise
+        finally:
+            self.close()
+
     def close(self) -> None:
-        self.dispatcher.stop()
-        self.buffer.close()
-        self.pool.stop()
-        self.publisher.close()
+        if self.hosts.is_leader:
+            self.hosts.stop(failed=self.status.state == "failed")  # release the followers
+            self.dispatcher.stop()
+            self.buffer.close()
+            self.pool.stop()
+            self.publisher.close()
+            self.metrics_file.close()
+            self.trained_file.close()
         self.checkpointer.close()
-        self.metrics_file.close()
-        self.trained_file.close()
 
 
 _LOGGED = {

@@ -1,6 +1,10 @@
 """The trainer process: the run loop plus a gRPC server for ``Status`` and sampler membership.
 
 ``splitrl trainer --config FILE [a.b=c ...]`` calls :func:`main`.
+
+Multi-host (``trainer.distributed``): every process serves the standard gRPC health service on
+the trainer port (SERVING while its run is healthy: Kubernetes probes every pod), but only
+process 0, the leader, serves the Trainer API; the others answer it with FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -92,6 +96,20 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                                           weight_version=self.run.version)
 
 
+class FollowerServicer(trainer_pb2_grpc.TrainerServicer):
+    """The Trainer API on a follower process: every call is refused with a pointer to the
+    leader (process 0 holds the samplers, the data and the run's status)."""
+
+    def __init__(self, process_index: int):
+        self.message = (f"trainer process {process_index} is a follower, not the leader: "
+                        "ask process 0 (services.trainer_address, the Service 'trainer')")
+
+    def _refuse(self, request, context):
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.message)
+
+    Status = RegisterSampler = Heartbeat = _refuse
+
+
 def _progress_bar(total: int, initial: int):
     """A console progress bar when a person is watching (stderr is a terminal)."""
     if not sys.stderr.isatty():
@@ -132,9 +150,11 @@ def main(cfg: Config) -> int:
     from trainer_service.run import TrainerRun
 
     run = TrainerRun(cfg)
+    leader = run.hosts.is_leader
+    servicer = TrainerServicer(run) if leader else FollowerServicer(run.hosts.index)
     port = cfg.services.trainer_address.rsplit(":", 1)[1]
     server = start_server(
-        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(TrainerServicer(run), s),
+        lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
         f"{cfg.services.host}:{port}",
         service_names=[SERVICE_NAME],
         auth=cfg.services.auth,
@@ -143,13 +163,18 @@ def main(cfg: Config) -> int:
     start_metrics_server(cfg.services.metrics_port)
 
     def on_signal(signum, _frame):
+        if not leader:  # stopping alone would leave the others waiting in a collective
+            log.warning("signal received; a follower stops when the leader says so (a second "
+                        "signal kills it)", extra={"signal": signal.Signals(signum).name})
+            signal.signal(signum, signal.SIG_DFL)
+            return
         log.warning("signal received; stopping after the current step",
                     extra={"signal": signal.Signals(signum).name})
         run.stop_event.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    bar, update = _progress_bar(cfg.trainer.steps, run.step)
+    bar, update = _progress_bar(cfg.trainer.steps, run.step) if leader else (None, None)
 
     def progress(step, metrics):
         VERSION.set(run.version)
@@ -157,7 +182,7 @@ def main(cfg: Config) -> int:
         update(step, metrics)
 
     try:
-        summary = run.run(progress=progress)
+        summary = run.run(progress=progress if leader else None)
     finally:
         if bar is not None:
             bar.close()

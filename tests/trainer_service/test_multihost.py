@@ -5,6 +5,7 @@ through orbax; with one process, ``HostGroup`` is a pass-through."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -143,3 +144,105 @@ def test_control_messages_round_trip_and_reject_unknown_ops():
 def test_a_group_of_several_processes_needs_the_distributed_client():
     with pytest.raises(RuntimeError, match="no jax.distributed client"):
         HostGroup(0, 2, client=None)
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def _start_trainers(launcher, sampler: str, coordinator: str, follower_address: str):
+    """The real `splitrl trainer` CLI as 2 processes x 2 devices: process 0 on the launcher's
+    trainer address, process 1 (a follower) on its own port of this host."""
+    common = [f"services.sampler_addresses=[{sampler}]",
+              "trainer.distributed.num_processes=2",
+              f"trainer.distributed.coordinator_address={coordinator}",
+              "trainer.distributed.initialization_timeout_s=120"]
+    launcher.start("trainer", "trainer", [*common, "trainer.distributed.process_id=0"], 2)
+    launcher.start("trainer-1", "trainer",
+                   [*common, "trainer.distributed.process_id=1",
+                    f"services.trainer_address={follower_address}"], 2)
+
+
+def _wait_trainers(launcher, timeout_s: float) -> None:
+    from tests.e2e.harness import tail, wait_exit
+
+    for name in ("trainer", "trainer-1"):
+        code = wait_exit(launcher, name, timeout_s)
+        assert code == 0, f"{name} exited with {code}:\n" + tail(launcher.log_dir /
+                                                                f"{name}.log", 60)
+
+
+@pytest.mark.slow
+def test_two_process_trainer_runs_pushes_checkpoints_and_resumes(tmp_path):
+    """Reward service + one sampler + a 2-process trainer through the CLI: 3 steps with a
+    checkpoint at step 2, then both processes are started again and resume to step 4."""
+    import grpc
+
+    from splitrl.init_model import init_model
+    from splitrl.serving import check_health, make_channel
+    from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
+    from tests.e2e.harness import log_records, run_config, trained_records
+    from trainer_service.launcher import Launcher
+
+    model = init_model(tmp_path / "tiny-arith", family="qwen2", preset="tiny",
+                       vocab="arithmetic", seed=0)
+    run_dir = tmp_path / "run"
+    cfg = run_config(model, run_dir, "trainer.steps=3", "trainer.prompts_per_step=4",
+                     "algorithm.group_size=4", "trainer.checkpoint.every=2",
+                     "trainer.eval_before=false", "trainer.eval_after=false",
+                     "services.num_samplers=1")
+    launcher = Launcher(cfg)
+    follower_address = f"127.0.0.1:{free_port()}"
+    try:
+        launcher.start("reward", "reward", [])
+        sampler = launcher.start_sampler(0)
+        launcher.wait_healthy("reward", launcher.reward_address)
+        launcher.wait_healthy("sampler-0", sampler)
+
+        _start_trainers(launcher, sampler, f"127.0.0.1:{free_port()}", follower_address)
+        # Kubernetes probes every pod: the follower serves health, but not the Trainer API.
+        launcher.wait_healthy("trainer-1", follower_address)
+        with make_channel(follower_address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                trainer_pb2_grpc.TrainerStub(channel).Status(trainer_pb2.StatusRequest(),
+                                                             timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "ask process 0" in err.value.details()
+        _wait_trainers(launcher, 300)
+        assert not check_health(follower_address, timeout_s=1.0)
+
+        # Resume: both processes again, one more step, from the step-3 checkpoint.
+        launcher.cfg.trainer.steps = 4
+        from splitrl.config import dump_config
+
+        dump_config(launcher.cfg, launcher.config_path)
+        _start_trainers(launcher, sampler, f"127.0.0.1:{free_port()}", follower_address)
+        _wait_trainers(launcher, 300)
+    finally:
+        launcher.stop()
+        follower = launcher.procs.get("trainer-1")
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+            follower.wait()
+
+    leader_log = log_records(launcher.log_dir / "trainer.log")
+    follower_log = log_records(launcher.log_dir / "trainer-1.log")
+    pushes = [r["version"] for r in leader_log if r.get("msg") == "weights pushed"]
+    assert pushes == [1, 2, 3, 4], pushes  # every step's weights reached the sampler
+    synced = [r for r in leader_log if r.get("msg") == "sampler synced"]
+    assert [r["version"] for r in synced if r.get("ok")] == [0, 3]  # at start and on resume
+    resumed = [r for r in leader_log if r.get("msg") == "resumed from checkpoint"]
+    assert [(r["step"], r["version"]) for r in resumed] == [(3, 3)]
+    # Followers only train: no pushes, no samplers, no metrics files of their own.
+    assert not [r for r in follower_log if r.get("msg") in ("weights pushed", "sampler synced")]
+
+    records = trained_records(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    uids = [u for r in records for u in r["uids"]]
+    assert len(uids) == len(set(uids)) == 4 * 4, "each prompt once, across the restart"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert all(np.isfinite(m["loss"]) for m in metrics)
+    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [3, 4]  # keep 2: step 2 (periodic) rotated out by the final saves
+    assert (run_dir / "export" / "config.json").is_file()
+    assert list((run_dir / "export").glob("*.safetensors"))
