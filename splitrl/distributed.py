@@ -16,6 +16,9 @@ Resolution, first match wins, each field on its own:
 
 One process (``num_processes: 1``, or nothing configured): no-op. A partial configuration (a
 coordinator but no process count, or several processes but no rank) is an error naming the key.
+
+What the processes then do (process 0 leads the run, the others follow its train steps) is in
+``trainer_service/multihost.py``.
 """
 
 from __future__ import annotations

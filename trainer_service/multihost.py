@@ -36,8 +36,15 @@ the model per push. The leader keeps the last gathered copy: samplers joining be
 get it (the last pushed version), since a collective cannot start from the membership thread.
 A single process does none of this: params are pushed straight from the devices (zero-copy).
 
-Failure: if the leader dies, the coordination service dies with it and JAX terminates the
-followers; the indexed Job restarts all of them, and they resume from the last checkpoint.
+Checkpoints: every process must see the same checkpoint directory (``trainer.checkpoint.dir``
+on shared storage, e.g. GCS in ``deploy/k8s/overlays/gke-tpu``); the rest of the run directory
+(metrics, trained prompts, export) is written by the leader only.
+
+Stopping and failure: only the leader decides. On SIGTERM it stops after the current step and
+sends ``stop``; a follower ignores its first signal (stopping alone would leave the others in a
+collective). A leader whose run fails sends ``stop`` marked failed, so followers exit 1 too. If
+the leader dies, the coordination service dies with it and JAX terminates the followers; the
+indexed Job restarts all of them, and they resume from the last checkpoint.
 """
 
 from __future__ import annotations

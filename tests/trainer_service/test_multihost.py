@@ -17,7 +17,7 @@ from multihost_worker import CURSOR, DEVICES, STEPS, batches, learner_on
 from trainer_helpers import mesh_of, rollout_batch
 
 from trainer_service.launcher import free_port
-from trainer_service.multihost import HostGroup, Message
+from trainer_service.multihost import KEY_PREFIX, HostGroup, Message
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -139,6 +139,51 @@ def test_control_messages_round_trip_and_reject_unknown_ops():
     assert Message.from_json(message.to_json()) == message
     with pytest.raises(ValueError, match="unknown op 'jump'"):
         Message.from_json(Message(0, "jump").to_json())
+
+
+class FakeClient:
+    """The coordination service's key-value store, in memory; ``misses`` deadlines first."""
+
+    def __init__(self, misses: int = 0):
+        self.store, self.deleted, self.misses = {}, [], misses
+
+    def key_value_set(self, key, value):
+        self.store[key] = value
+
+    def key_value_delete(self, key):
+        self.deleted.append(key)
+        self.store.pop(key, None)
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if self.misses:
+            self.misses -= 1
+            raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
+        return self.store[key]
+
+
+def test_followers_read_the_leaders_messages_in_order_and_wait_through_deadlines():
+    client = FakeClient(misses=2)
+    leader, follower = HostGroup(0, 2, client), HostGroup(1, 2, client, poll_s=0.01)
+    received = []
+    for send in (lambda: leader.checkpoint(2, 2), lambda: leader._send("gather", version=2),
+                 leader.stop, leader.stop):  # stop is sent once
+        send()
+        received.append(follower.receive() if follower._seq < leader._seq else None)
+    assert [m.op for m in received if m] == ["checkpoint", "gather", "stop"]
+    assert (received[0].step, received[0].version, received[3]) == (2, 2, None)
+    # Message n-2 is deleted when n is sent: every follower has read it by then.
+    assert client.deleted == [KEY_PREFIX + "0"] and len(client.store) == 2
+    with pytest.raises(RuntimeError, match="only process 0 sends"):
+        follower.checkpoint(1, 1)
+
+
+def test_a_follower_fails_on_a_lost_coordinator_rather_than_waiting_forever():
+    class Broken(FakeClient):
+        def blocking_key_value_get(self, key, timeout_ms):
+            raise RuntimeError("UNAVAILABLE: failed to connect to the coordination service")
+
+    with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+        HostGroup(1, 2, Broken()).receive()
 
 
 def test_a_group_of_several_processes_needs_the_distributed_client():
