@@ -62,6 +62,10 @@ class Launcher:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("HF_DATASETS_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # Every service compiles the same programs run after run: keep them on disk.
+        env.setdefault("JAX_COMPILATION_CACHE_DIR",
+                       str(Path.home() / ".cache" / "splitrl" / "xla"))
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
