@@ -28,11 +28,11 @@ is the leader's.
 
 Weight push: the sender (``splitrl.wire``) reads every region from shards its process holds,
 and with a mesh over several processes the leader holds only its own hosts'. So for a push
-every process gathers the params, one tensor at a time (``process_allgather``: each tensor is
-replicated on the devices, then copied to the host); followers drop each tensor at once, the
-leader keeps them. Cost: the whole model in host RAM on the leader (params' dtype, e.g. 16 GB
-for 8B parameters in bf16), one full tensor at a time on every device, and one all-gather of
-the model per push. The leader keeps the last gathered copy: samplers joining between pushes
+every process gathers the params in buckets of ~256 MiB (a jitted identity onto the replicated
+layout, then a copy to the host); followers drop each bucket at once, the leader keeps them.
+Cost: the whole model in host RAM on the leader (params' dtype, e.g. 16 GB for 8B parameters
+in bf16), one bucket at a time replicated on every device, and one all-gather of the model per
+push. The leader keeps the last gathered copy: samplers joining between pushes
 get it (the last pushed version), since a collective cannot start from the membership thread.
 A single process does none of this: params are pushed straight from the devices (zero-copy).
 
@@ -59,6 +59,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from trainer_service.learner import TrainBatch
 
@@ -227,11 +228,39 @@ def follow(hosts: HostGroup, learner, checkpointer, on_message=None) -> bool:
             return not message.failed
 
 
-def gather_params(params: Mapping[str, jax.Array]) -> dict[str, np.ndarray]:
-    """Every parameter whole on the host of every process, one tensor at a time (collective:
-    every process calls it with the same names)."""
-    return {name: np.asarray(multihost_utils.process_allgather(params[name], tiled=True))
-            for name in sorted(params)}
+GATHER_BUCKET_BYTES = 256 * 2**20
+
+
+def gather_params(params: Mapping[str, jax.Array],
+                  bucket_bytes: int = GATHER_BUCKET_BYTES) -> dict[str, np.ndarray]:
+    """Every parameter whole on the host of every process (a collective: every process calls
+    it with the same params). Tensors go in buckets of about ``bucket_bytes``, in name order:
+    one compiled all-gather per bucket (the same buckets every push, so compiled once), and at
+    most one bucket replicated on each device at a time."""
+    out: dict[str, np.ndarray] = {}
+    for bucket in _buckets(params, bucket_bytes):
+        replicated = {name: NamedSharding(params[name].sharding.mesh, PartitionSpec())
+                      for name in bucket}
+        whole = jax.jit(_identity, out_shardings=replicated)({n: params[n] for n in bucket})
+        out.update({name: np.asarray(whole[name].addressable_data(0)) for name in bucket})
+    return out
+
+
+def _buckets(params: Mapping[str, jax.Array], limit: int) -> list[list[str]]:
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for name in sorted(params):
+        nbytes = params[name].size * params[name].dtype.itemsize
+        if buckets[-1] and size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets if buckets[-1] else []
+
+
+def _identity(tree):
+    return tree
 
 
 def host_model(learner, params: Mapping[str, np.ndarray]):

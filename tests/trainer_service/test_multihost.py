@@ -17,7 +17,7 @@ from multihost_worker import CURSOR, DEVICES, STEPS, batches, learner_on
 from trainer_helpers import mesh_of, rollout_batch
 
 from trainer_service.launcher import free_port
-from trainer_service.multihost import KEY_PREFIX, HostGroup, Message
+from trainer_service.multihost import KEY_PREFIX, HostGroup, Message, gather_params
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -132,6 +132,17 @@ def test_one_process_group_is_a_pass_through():
     assert hosts.gathered is None
     hosts.checkpoint(1, 1)
     hosts.stop()
+
+
+def test_gather_in_buckets_returns_every_parameter_whole():
+    learner = learner_on(mesh_of(DEVICES))
+    sizes = sorted(v.nbytes for v in learner.params.values())
+    for bucket_bytes in (1, sizes[-1] + sizes[-2], 1 << 30):  # one each, some pairs, all
+        host = gather_params(learner.params, bucket_bytes=bucket_bytes)
+        assert list(host) == sorted(learner.params)
+        for name, value in learner.params.items():
+            assert isinstance(host[name], np.ndarray), name
+            assert np.array_equal(host[name], np.asarray(value)), name
 
 
 def test_control_messages_round_trip_and_reject_unknown_ops():
