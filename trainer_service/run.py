@@ -78,6 +78,8 @@ class TrainerRun:
         self.hosts = HostGroup.current()  # process 0 leads; one process: the leader, alone
         self.run_dir = Path(tcfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.hosts.is_leader:
+            dump_config(cfg, self.run_dir / "config.yaml")
         self.status = RunState(total_steps=tcfg.steps)
         self.stop_event = threading.Event()
         self.metadata = auth_metadata(cfg.services.auth)
@@ -108,7 +110,6 @@ class TrainerRun:
     def _init_leader(self) -> None:
         """The leader's parts: data, samplers, rollouts, weight pushes, metrics files."""
         cfg, tcfg = self.cfg, self.cfg.trainer
-        dump_config(cfg, self.run_dir / "config.yaml")
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.data = PromptStream.from_config(tcfg.data, tokenizer=self.tokenizer)
