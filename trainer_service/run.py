@@ -321,7 +321,12 @@ class TrainerRun:
             started = time.monotonic()
             start_step = self.step
             while self.step < tcfg.steps and not self.stop_event.is_set():
-                metrics = self.train_step()
+                try:
+                    metrics = self.train_step()
+                except InterruptedError:  # stopped while waiting for rollouts
+                    if self.stop_event.is_set():
+                        break
+                    raise
                 set_context(step=self.step, weight_version=self.version)
                 elapsed = time.monotonic() - started
                 self.status.step, self.status.version = self.step, self.version
@@ -336,8 +341,7 @@ class TrainerRun:
                     log.info("step", extra={k: round(v, 5) for k, v in metrics.items()
                                             if k in _LOGGED})
             if self.stop_event.is_set():
-                self.status.state = "stopped"
-                return summary
+                return self._stopped(summary)
             if self.checkpointer.latest_step() != self.step:
                 self._checkpoint(force=True)
             if tcfg.eval_after:
@@ -348,11 +352,25 @@ class TrainerRun:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             self.status.state = "done"
             return summary
+        except InterruptedError:
+            if not self.stop_event.is_set():
+                self.status.state = "failed"
+                raise
+            return self._stopped(summary)
         except Exception:
             self.status.state = "failed"
             raise
         finally:
             self.close()
+
+    def _stopped(self, summary: dict[str, float]) -> dict[str, float]:
+        """Stopped by a signal: checkpoint where we are, so the next start resumes here."""
+        if self.step > 0 and self.checkpointer.latest_step() != self.step:
+            self._checkpoint(force=True)
+        self.status.state = "stopped"
+        log.info("stopped; resume continues from this step",
+                 extra={"step": self.step, "version": self.version})
+        return summary
 
     def _policy_model(self):
         """The current policy as an nnx model on this host (for the export)."""

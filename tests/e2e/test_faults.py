@@ -148,3 +148,33 @@ def test_async_staleness_is_bounded_with_auth(arith_model, tmp_path):
     staleness = [r["trainer_version"] - v for r in records for v in r["versions"]]
     assert max(staleness) <= 1 and min(staleness) >= 0
     print(f"staleness histogram: {Counter(staleness)}")
+
+
+def test_trainer_sigterm_checkpoints_where_it_stopped_and_resumes(arith_model, tmp_path):
+    """Ctrl-C / SIGTERM: the trainer finishes its step, checkpoints it and exits 0; the next
+    start continues from exactly there."""
+    run_dir = tmp_path / "run"
+    cfg = run_config(arith_model, run_dir, "trainer.steps=12", "trainer.checkpoint.every=1000",
+                     *FAST)
+    launcher = Launcher(cfg)
+    try:
+        launcher.up()
+        wait_for(lambda: status_step(launcher) >= 3, 300, "step 3", launcher)
+        launcher.procs["trainer"].send_signal(signal.SIGTERM)
+        assert wait_exit(launcher, "trainer", 120) == 0, tail(launcher.log_dir / "trainer.log")
+        stopped = [r for r in log_records(launcher.log_dir / "trainer.log")
+                   if r.get("msg", "").startswith("stopped")]
+        assert stopped, tail(launcher.log_dir / "trainer.log")
+        stop_step = stopped[-1]["step"]
+        assert (run_dir / "checkpoints" / str(stop_step)).is_dir()
+        launcher.start("trainer", "trainer",
+                       ["services.sampler_addresses=[" + ",".join(launcher.sampler_addresses)
+                        + "]"], 4)
+        assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
+    finally:
+        launcher.stop()
+    resumed = [r for r in log_records(launcher.log_dir / "trainer.log")
+               if r.get("msg") == "resumed from checkpoint"]
+    assert resumed and resumed[-1]["step"] == stop_step
+    steps = [r["step"] for r in trained_records(run_dir)]
+    assert steps == list(range(1, 13)), "every step exactly once across the stop"
