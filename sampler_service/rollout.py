@@ -71,11 +71,12 @@ class EngineResult:
 class RewardClient:
     """``Reward.Score`` over one channel; a dead service becomes UNAVAILABLE with the address."""
 
-    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float = 5.0):
+    def __init__(self, address: str, timeout_s: float, connect_timeout_s: float = 5.0,
+                 auth=None):
         self.address = address
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._channel = make_channel(address)
+        self._channel = make_channel(address, auth=auth)
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -203,7 +203,8 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                               max_sequence_length=sampler.max_sequence_length,
                               eos_token_ids=_eos_ids(weights.config, tokenizer),
                               pad_token_id=pad)
-    reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s)
+    reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
+                           auth=config.services.auth)
               if config.services.reward_address else None)
     worker = RolloutWorker(engine, weights, tokenizer=tokenizer, sampling=config.sampling,
                            reward=reward, sampler_id=sampler.sampler_id)
@@ -237,6 +238,7 @@ class TrainerRegistration:
 
     def __init__(self, config: Config, servicer: SamplerServicer):
         self.address = config.services.trainer_address
+        self.auth = config.services.auth
         self.interval_s = config.services.heartbeat_s
         self.metadata = auth_metadata(config.services.auth)
         self.servicer = servicer
@@ -252,7 +254,7 @@ class TrainerRegistration:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        channel = make_channel(self.address)
+        channel = make_channel(self.address, auth=self.auth)
         stub = trainer_pb2_grpc.TrainerStub(channel)
         registered, failing = False, False
         me = dict(sampler_id=self.servicer.sampler_id, address=self.servicer.address)

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from splitrl.config import Config, ConfigError, dump_config, load_config
+from splitrl.config import AuthConfig, Config, ConfigError, dump_config, load_config
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,8 @@ def _init_model(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from splitrl.serving import check_health
 
-    ok = check_health(args.address, args.service, timeout_s=args.timeout)
+    auth = AuthConfig(tls_ca=args.tls_ca) if args.tls_ca else None
+    ok = check_health(args.address, args.service, timeout_s=args.timeout, auth=auth)
     print("SERVING" if ok else "NOT_SERVING")
     return 0 if ok else 1
 
@@ -139,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="host:port")
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--tls-ca", default=None, help="CA certificate: check over TLS")
     p.set_defaults(func=_health)
 
     p = sub.add_parser("plot", help="draw a run's curves (reward, accuracy, KL, ...) to PNG")

@@ -216,9 +216,12 @@ def make_channel(
     return grpc.insecure_channel(address, options=options)
 
 
-def check_health(address: str, service: str = "", timeout_s: float = 3.0) -> bool:
-    """True if ``address`` answers the standard health check with SERVING."""
-    with make_channel(address) as channel:
+def check_health(
+    address: str, service: str = "", timeout_s: float = 3.0, auth: AuthConfig | None = None
+) -> bool:
+    """True if ``address`` answers the standard health check with SERVING (over TLS when
+    ``auth.tls_ca`` is set)."""
+    with make_channel(address, auth=auth) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -91,7 +91,7 @@ class Launcher:
                 raise RuntimeError(
                     f"{name} exited with code {proc.returncode}; see {self.log_dir / name}.log"
                 )
-            if check_health(address, timeout_s=1.0):
+            if check_health(address, timeout_s=1.0, auth=self.cfg.services.auth):
                 return
             time.sleep(0.3)
         raise TimeoutError(f"{name} at {address} not healthy after {timeout_s:.0f}s")
@@ -142,7 +142,7 @@ class Launcher:
     def status(self):
         from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
 
-        with make_channel(self.trainer_address) as channel:
+        with make_channel(self.trainer_address, auth=self.cfg.services.auth) as channel:
             stub = trainer_pb2_grpc.TrainerStub(channel)
             return stub.Status(trainer_pb2.StatusRequest(), timeout=2.0)
 
