@@ -4,6 +4,7 @@ Tests share one mesh and, where they can, one loss setting, so compiled steps ar
 """
 
 import dataclasses
+import gc
 
 import jax
 import numpy as np
@@ -49,12 +50,19 @@ def test_updates_raise_the_rewarded_completion_and_lower_the_others():
         assert v.sharding.is_equivalent_to(shardings[k], v.ndim), k
 
 
+def _live_bytes() -> int:
+    # Collect first: the source models are freed only by the cycle collector (nnx graphs hold
+    # reference cycles), and earlier tests in the same process leave such garbage too.
+    gc.collect()
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
 def test_beta_zero_keeps_no_reference_parameters():
-    before = sum(x.nbytes for x in jax.live_arrays())
+    before = _live_bytes()
     no_ref = make_learner(mesh_of(2), algorithm=AlgorithmConfig(beta=0.0))
-    mid = sum(x.nbytes for x in jax.live_arrays())
+    mid = _live_bytes()
     with_ref = make_learner(mesh_of(2), algorithm=AlgorithmConfig(beta=0.1))
-    after = sum(x.nbytes for x in jax.live_arrays())
+    after = _live_bytes()
     param_bytes = sum(x.nbytes for x in no_ref.params.values())
     assert no_ref.ref_params is None and with_ref.ref_params is not None
     # A learner is params + Adam's two moments; the reference adds one more copy of the params.
