@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/splitrl demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m 'not slow'
