@@ -48,6 +48,8 @@ class SamplerHandle:
     inflight: int = 0
     last_ok: float = field(default_factory=time.monotonic)
     failures: int = 0
+    # One push at a time per sampler (it refuses a second concurrent one with ABORTED).
+    push_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def capacity(self) -> int:

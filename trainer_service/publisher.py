@@ -20,7 +20,7 @@ import grpc
 
 from splitrl.v1 import sampler_pb2
 from splitrl.wire import iter_push_messages, layouts_from_info
-from trainer_service.membership import SamplerHandle, SamplerPool
+from trainer_service.membership import READY, SamplerHandle, SamplerPool
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +52,22 @@ class WeightPublisher:
         self.history: list[PushResult] = []
 
     def push_one(
-        self, handle: SamplerHandle, params: Mapping, version: int, *, reset: bool = False
+        self, handle: SamplerHandle, params: Mapping, version: int, *, reset: bool = False,
+        unless_current: bool = False,
     ) -> PushResult:
-        """Push ``params`` as ``version`` to one sampler; on success it becomes ready."""
+        """Push ``params`` as ``version`` to one sampler; on success it becomes ready.
+
+        Pushes to one sampler are serialised. With ``unless_current`` nothing is sent when the
+        sampler already holds ``version`` or newer from us (a join racing a regular push).
+        """
+        with handle.push_lock:
+            if unless_current and handle.state == READY and handle.weight_version >= version:
+                return PushResult(handle.address, handle.weight_version, True)
+            return self._push_locked(handle, params, version, reset)
+
+    def _push_locked(
+        self, handle: SamplerHandle, params: Mapping, version: int, reset: bool
+    ) -> PushResult:
         start = time.monotonic()
         if handle.info is None:
             return PushResult(handle.address, version, False, error="no GetInfo yet")
@@ -73,7 +86,7 @@ class WeightPublisher:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not reset:
                 # The sampler already serves this version or newer (e.g. another trainer
                 # incarnation pushed it). Roll it to exactly our weights.
-                return self.push_one(handle, params, version, reset=True)
+                return self._push_locked(handle, params, version, reset=True)
             self.pool.report_failure(handle, f"push failed: {e.code().name}: {e.details()}")
             result = PushResult(handle.address, version, False,
                                 seconds=time.monotonic() - start,

@@ -150,7 +150,8 @@ class TrainerRun:
     def _on_sampler_join(self, handle: SamplerHandle) -> None:
         """A new sampler gets the current weights before it gets work."""
         params, version = self._host_params()
-        result = self.publisher.push_one(handle, params, version, reset=True)
+        result = self.publisher.push_one(handle, params, version, reset=True,
+                                         unless_current=True)
         log.info("sampler synced", extra={"address": handle.address, "ok": result.ok,
                                           "version": version, "error": result.error})
 
