@@ -21,27 +21,12 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from splitrl.registry import Registry
+
 AdvantageFn = Callable[..., jnp.ndarray]
-ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} registered twice")
-        ADVANTAGES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_fn(name: str) -> AdvantageFn:
-    try:
-        return ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; expected one of {sorted(ADVANTAGES)}"
-        ) from None
+ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+register = ADVANTAGES.register
+get_advantage_fn = ADVANTAGES.get
 
 
 def _group_stats(rewards, group_ids):

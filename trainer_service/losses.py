@@ -42,6 +42,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from splitrl.registry import Registry
+
 # Paper defaults for (eps_low, eps_high) when the config leaves them as None.
 DEFAULT_EPS: dict[str, tuple[float, float]] = {
     "grpo": (0.2, 0.2),  # PPO / GRPO
@@ -61,25 +63,9 @@ class PolicyTerms(NamedTuple):
 
 
 PolicyLossFn = Callable[..., PolicyTerms]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} registered twice")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        known = sorted(POLICY_LOSSES)
-        raise ValueError(f"unknown loss {name!r}; expected one of {known}") from None
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.get
 
 
 def resolve_eps(loss: str, eps_low: float | None, eps_high: float | None) -> tuple[float, float]:

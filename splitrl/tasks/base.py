@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from splitrl.registry import Registry
+
 Row = dict[str, Any]
 
-_REGISTRY: dict[str, type[Task]] = {}
+_REGISTRY: Registry[type[Task]] = Registry("task")
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -60,11 +62,8 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
     """Class decorator adding a task to the registry under `name`."""
 
     def deco(cls: type[Task]) -> type[Task]:
-        if name in _REGISTRY:
-            raise ValueError(f"task {name!r} is already registered")
         cls.name = name
-        _REGISTRY[name] = cls
-        return cls
+        return _REGISTRY.register(name)(cls)
 
     return deco
 
@@ -76,9 +75,7 @@ def list_tasks() -> list[str]:
 def get_task(name: str, **options: Any) -> Task:
     """The task `name` built with `options`; an unknown task or option is a ValueError naming
     it and listing what exists."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown task {name!r} (known: {list_tasks()})")
-    cls = _REGISTRY[name]
+    cls = _REGISTRY.get(name)
     params = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(options) - set(params))
     if unknown:
