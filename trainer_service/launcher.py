@@ -114,8 +114,12 @@ class Launcher:
         self.wait_healthy("reward", self.reward_address)
         for i, address in enumerate(self.sampler_addresses):
             self.wait_healthy(f"sampler-{i}", address)
+        self.start_trainer()
+
+    def start_trainer(self):
+        """Start (or, after it died, restart) the trainer, pointed at the launched samplers."""
         addresses = "[" + ",".join(self.sampler_addresses) + "]"
-        self.start(
+        return self.start(
             "trainer",
             "trainer",
             [f"services.sampler_addresses={addresses}"],

@@ -94,9 +94,7 @@ def test_trainer_killed_resumes_from_checkpoint(arith_model, tmp_path):
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
         before_kill = trained_records(run_dir)
-        launcher.start("trainer", "trainer",
-                       ["services.sampler_addresses=[" + ",".join(launcher.sampler_addresses)
-                        + "]"], 4)
+        launcher.start_trainer()
         code = wait_exit(launcher, "trainer", 600)
         assert code == 0, tail(launcher.log_dir / "trainer.log")
     finally:
@@ -167,9 +165,7 @@ def test_trainer_sigterm_checkpoints_where_it_stopped_and_resumes(arith_model, t
         assert stopped, tail(launcher.log_dir / "trainer.log")
         stop_step = stopped[-1]["step"]
         assert (run_dir / "checkpoints" / str(stop_step)).is_dir()
-        launcher.start("trainer", "trainer",
-                       ["services.sampler_addresses=[" + ",".join(launcher.sampler_addresses)
-                        + "]"], 4)
+        launcher.start_trainer()
         assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
     finally:
         launcher.stop()
