@@ -42,17 +42,17 @@ from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
-from trainer_service.batching import build_train_batch
-from trainer_service.checkpoints import Checkpointer
-from trainer_service.data import PromptStream
-from trainer_service.dispatcher import Dispatcher
-from trainer_service.evaluation import accuracy_function, evaluate
-from trainer_service.export import export_hf
-from trainer_service.learner import Learner
-from trainer_service.membership import SamplerHandle, SamplerPool
-from trainer_service.multihost import HostGroup, follow, host_model
-from trainer_service.publisher import WeightPublisher
-from trainer_service.rollouts import RolloutBuffer, RolloutGroup, WorkItem
+from trainer_service.learning.batching import build_train_batch
+from trainer_service.learning.checkpoints import Checkpointer
+from trainer_service.learning.export import export_hf
+from trainer_service.learning.learner import Learner
+from trainer_service.learning.multihost import HostGroup, follow, host_model
+from trainer_service.orchestration.data import PromptStream
+from trainer_service.orchestration.dispatcher import Dispatcher
+from trainer_service.orchestration.evaluation import accuracy_function, evaluate
+from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
+from trainer_service.orchestration.publisher import WeightPublisher
+from trainer_service.orchestration.rollouts import RolloutBuffer, RolloutGroup, WorkItem
 
 log = logging.getLogger(__name__)
 

@@ -71,8 +71,8 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path) -> None:
     import jax
     from trainer_helpers import mesh_of
 
-    from trainer_service.checkpoints import Checkpointer
-    from trainer_service.multihost import HostGroup, follow, gather_params
+    from trainer_service.learning.checkpoints import Checkpointer
+    from trainer_service.learning.multihost import HostGroup, follow, gather_params
 
     assert jax.process_count() == num_processes and len(jax.devices()) == DEVICES
     hosts = HostGroup.current()

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trainer_service import advantages as adv
+from trainer_service.learning import advantages as adv
 
 # Groups: 7 -> [1, 0, 0, 1] (mixed), 3 -> [5] (single completion), 9 -> [2, 2] (zero variance).
 REWARDS = np.array([1.0, 0.0, 0.0, 1.0, 5.0, 2.0, 2.0], np.float32)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from trainer_helpers import RESUME_DEVICES, mesh_of, resume_batch, resume_learner
 
-from trainer_service.checkpoints import Checkpointer
+from trainer_service.learning.checkpoints import Checkpointer
 
 HELPER = Path(__file__).with_name("trainer_helpers.py")
 REPO = Path(__file__).resolve().parents[2]

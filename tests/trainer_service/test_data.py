@@ -9,7 +9,7 @@ import pytest
 from splitrl.config import DataConfig
 from splitrl.tasks import get_task
 from splitrl.tokenizer import load_tokenizer, train_bpe_tokenizer
-from trainer_service.data import PromptStream
+from trainer_service.orchestration.data import PromptStream
 
 
 def arithmetic_stream(**kw) -> PromptStream:

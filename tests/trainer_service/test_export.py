@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from splitrl.config import OptimizerConfig
 from splitrl.tokenizer import train_char_tokenizer
-from trainer_service.export import export_hf
+from trainer_service.learning.export import export_hf
 
 
 def test_exported_directory_loads_in_transformers_with_the_trainers_logits(tmp_path):

@@ -19,7 +19,7 @@ from splitrl.config import (
     SamplingConfig,
     TrainerConfig,
 )
-from trainer_service.learner import Learner, TrainBatch
+from trainer_service.learning.learner import Learner, TrainBatch
 
 CONSTANT_LR = OptimizerConfig(lr=1e-2)
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainer_service import advantages as adv_lib
-from trainer_service import losses as L
+from trainer_service.learning import advantages as adv_lib
+from trainer_service.learning import losses as L
 
 E = np.exp
 # Two completions of 4 target positions plus one fully masked row (e.g. a filtered completion).

@@ -17,7 +17,7 @@ from multihost_worker import CURSOR, DEVICES, STEPS, batches, learner_on
 from trainer_helpers import mesh_of, rollout_batch
 
 from trainer_service.launcher import free_port
-from trainer_service.multihost import KEY_PREFIX, HostGroup, Message, gather_params
+from trainer_service.learning.multihost import KEY_PREFIX, HostGroup, Message, gather_params
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

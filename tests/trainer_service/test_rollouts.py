@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from splitrl.config import AlgorithmConfig
-from trainer_service.batching import bucket, build_train_batch
-from trainer_service.membership import resolve_dns
-from trainer_service.rollouts import Completion, RolloutBuffer, RolloutGroup, WorkItem
+from trainer_service.learning.batching import bucket, build_train_batch
+from trainer_service.orchestration.membership import resolve_dns
+from trainer_service.orchestration.rollouts import Completion, RolloutBuffer, RolloutGroup, WorkItem
 
 
 def group(uid: str, version: int, rewards=(1.0, 0.0), prompt=(5, 6, 7), completion=(8, 9)):

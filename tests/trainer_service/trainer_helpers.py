@@ -14,8 +14,8 @@ from jax.sharding import Mesh
 
 from splitrl.config import AlgorithmConfig, OptimizerConfig
 from splitrl.models import TransformerConfig, init_random
-from trainer_service.advantages import compute_advantages
-from trainer_service.learner import Learner, TrainBatch
+from trainer_service.learning.advantages import compute_advantages
+from trainer_service.learning.learner import Learner, TrainBatch
 
 VOCAB = 32
 
@@ -92,7 +92,7 @@ def resume_batch(step: int, learner: Learner) -> TrainBatch:
 
 
 def _resume_main(ckpt_dir: str, out: str) -> None:
-    from trainer_service.checkpoints import Checkpointer
+    from trainer_service.learning.checkpoints import Checkpointer
 
     learner = resume_learner()
     with Checkpointer(ckpt_dir, every=1, keep=2, async_save=False) as ckpt:

@@ -2,9 +2,9 @@
 
 The trainer *pulls*: it keeps enough ``Rollout`` requests in flight to feed the coming steps,
 each to a ready sampler with spare capacity, and streams the groups back into the
-:class:`~trainer_service.rollouts.RolloutBuffer`. A prompt whose sampler fails (call error,
-dead process, dropped from the pool) before its group came back goes to the front of the
-queue and is handed to another sampler; a prompt is never given to two samplers at once.
+:class:`~trainer_service.orchestration.rollouts.RolloutBuffer`. A prompt whose sampler fails
+(call error, dead process, dropped from the pool) before its group came back goes to the front
+of the queue and is handed to another sampler; a prompt is never given to two samplers at once.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import grpc
 
 from splitrl.config import SamplingConfig
 from splitrl.v1 import common_pb2, sampler_pb2
-from trainer_service.membership import READY, SamplerHandle, SamplerPool
-from trainer_service.rollouts import Completion, RolloutBuffer, RolloutGroup, WorkItem
+from trainer_service.orchestration.membership import READY, SamplerHandle, SamplerPool
+from trainer_service.orchestration.rollouts import Completion, RolloutBuffer, RolloutGroup, WorkItem
 
 log = logging.getLogger(__name__)
 

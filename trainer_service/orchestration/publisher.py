@@ -20,7 +20,7 @@ import grpc
 
 from splitrl.v1 import sampler_pb2
 from splitrl.wire import iter_push_messages, layouts_from_info
-from trainer_service.membership import READY, SamplerHandle, SamplerPool
+from trainer_service.orchestration.membership import READY, SamplerHandle, SamplerPool
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from trainer_service.learner import TrainBatch
+from trainer_service.learning.learner import TrainBatch
 
 log = logging.getLogger(__name__)
 

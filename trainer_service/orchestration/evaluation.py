@@ -15,8 +15,8 @@ import numpy as np
 
 from splitrl.config import SamplingConfig
 from splitrl.v1 import sampler_pb2
-from trainer_service.dispatcher import prompt_message, sampling_params
-from trainer_service.membership import SamplerPool
+from trainer_service.orchestration.dispatcher import prompt_message, sampling_params
+from trainer_service.orchestration.membership import SamplerPool
 
 log = logging.getLogger(__name__)
 

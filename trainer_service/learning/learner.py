@@ -47,9 +47,9 @@ from splitrl.models import (
     state_from_hf,
     token_logprobs,
 )
-from trainer_service import advantages as adv_lib
-from trainer_service import losses
-from trainer_service.optim import make_optimizer
+from trainer_service.learning import advantages as adv_lib
+from trainer_service.learning import losses
+from trainer_service.learning.optim import make_optimizer
 
 Params = dict[str, jax.Array]
 
@@ -68,7 +68,7 @@ class TrainBatch:
     completion_mask   bool  [B, T]  True on completion tokens whose logprob counts in the loss
     sampler_logprobs  float [B, T]  log pi_sampler(tokens[b, t]) reported by the sampler, under
                                     its sampling temperature (any value elsewhere)
-    advantages        float [B]     one advantage per completion (trainer_service.advantages)
+    advantages        float [B]     one advantage per completion (learning.advantages)
     group_ids         int   [B]     prompt group of each completion
     rewards           float [B]     optional, for metrics and the zero-variance filter
     """

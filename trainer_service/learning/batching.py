@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from splitrl.config import AlgorithmConfig
-from trainer_service.advantages import compute_advantages
-from trainer_service.learner import TrainBatch
-from trainer_service.rollouts import RolloutGroup
+from trainer_service.learning.advantages import compute_advantages
+from trainer_service.learning.learner import TrainBatch
+from trainer_service.orchestration.rollouts import RolloutGroup
 
 
 def bucket(n: int, minimum: int = 8) -> int:
