@@ -27,7 +27,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., greedy: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "token_ids", "text", "messages", "reference", "metadata")
+    __slots__ = ("prompt_id", "token_ids", "text", "messages", "reference", "metadata", "seed", "has_seed")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,13 +41,17 @@ class Prompt(_message.Message):
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     reference: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, prompt_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    seed: int
+    has_seed: bool
+    def __init__(self, prompt_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -58,7 +62,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "rewards", "total_reward", "reward_reasons")
+    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "rewards", "total_reward", "reward_reasons", "weight_versions")
     class RewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +84,7 @@ class Completion(_message.Message):
     REWARDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_REASONS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
@@ -87,7 +92,8 @@ class Completion(_message.Message):
     rewards: _containers.ScalarMap[str, float]
     total_reward: float
     reward_reasons: _containers.ScalarMap[str, str]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rewards: _Optional[_Mapping[str, float]] = ..., total_reward: _Optional[float] = ..., reward_reasons: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    weight_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rewards: _Optional[_Mapping[str, float]] = ..., total_reward: _Optional[float] = ..., reward_reasons: _Optional[_Mapping[str, str]] = ..., weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "generate_s", "score_s")

@@ -101,20 +101,22 @@ class PushWeightsReply(_message.Message):
     def __init__(self, version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
 
 class RolloutRequest(_message.Message):
-    __slots__ = ("request_id", "prompts", "group_size", "sampling", "min_version", "reward_functions")
+    __slots__ = ("request_id", "prompts", "group_size", "sampling", "min_version", "reward_functions", "reproducible")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     REWARD_FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+    REPRODUCIBLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Prompt]
     group_size: int
     sampling: _common_pb2.SamplingParams
     min_version: int
     reward_functions: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_version: _Optional[int] = ..., reward_functions: _Optional[_Iterable[str]] = ...) -> None: ...
+    reproducible: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., min_version: _Optional[int] = ..., reward_functions: _Optional[_Iterable[str]] = ..., reproducible: _Optional[bool] = ...) -> None: ...
 
 class ScoredGroup(_message.Message):
     __slots__ = ("request_id", "prompt_id", "prompt_token_ids", "completions", "weight_version", "timings", "sampler_id", "reference", "metadata")
