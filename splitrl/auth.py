@@ -3,8 +3,9 @@
 One policy for every transport a SplitRL process serves. The gRPC servers apply it through
 ``splitrl.serving`` (an interceptor calls :meth:`CallGuard.check` before any handler runs);
 a transport that is not gRPC (a bulk data plane) applies the same rules by calling
-:meth:`CallGuard.check` with the call's name and headers, and by building its TLS from
-:func:`load_tls` (the same certificate, key, CA and client-certificate requirement).
+:meth:`CallGuard.check` with the call's name and headers, and by taking its TLS from
+:func:`ssl_context` (sockets) or :func:`load_tls` (PEM bytes, e.g. for Arrow Flight): the same
+certificate, key, CA and client-certificate requirement.
 
 - **Token** (``services.auth.token`` / ``token_env`` / ``token_file``): when one is set, every
   method except ``services.auth.open_methods`` needs ``authorization: Bearer <token>``.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,3 +178,37 @@ def channel_credentials(auth: AuthConfig | None) -> grpc.ChannelCredentials | No
         return None
     return grpc.ssl_channel_credentials(root_certificates=tls.ca, private_key=tls.key,
                                         certificate_chain=tls.cert)
+
+
+def _existing(key: str, path: str) -> str:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"services.auth.{key} {path!r} does not exist")
+    return path
+
+
+def ssl_context(auth: AuthConfig | None, *, server_side: bool) -> ssl.SSLContext | None:
+    """The TLS of ``auth`` for a transport that is not gRPC (plain sockets); None: plaintext.
+
+    Server side: serves ``tls_cert``/``tls_key``; with ``tls_client_auth`` the handshake
+    requires a client certificate that ``tls_ca`` signed. Client side: verifies the server
+    against ``tls_ca`` (the system's roots without one) and presents ``tls_cert``/``tls_key``
+    when set; wrap sockets with ``server_hostname=auth.tls_server_name or host``.
+    """
+    if auth is None or not (auth.tls_cert or auth.tls_ca):
+        return None
+    if server_side:
+        if not auth.tls_cert:
+            return None
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        if auth.tls_ca:
+            context.load_verify_locations(cafile=_existing("tls_ca", auth.tls_ca))
+        context.verify_mode = (ssl.CERT_REQUIRED if auth.tls_client_auth
+                               else ssl.CERT_OPTIONAL if auth.tls_ca else ssl.CERT_NONE)
+    else:
+        cafile = _existing("tls_ca", auth.tls_ca) if auth.tls_ca else None
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
+    if auth.tls_cert:
+        context.load_cert_chain(_existing("tls_cert", auth.tls_cert),
+                                _existing("tls_key", auth.tls_key))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context

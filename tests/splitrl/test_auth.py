@@ -7,8 +7,11 @@ signed, and an unrelated CA with a look-alike certificate (same names, other sig
 from __future__ import annotations
 
 import os
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -16,7 +19,7 @@ import pytest
 import yaml
 from tls_certs import SERVER_NAME, make_pki
 
-from splitrl.auth import AuthError, CallGuard, load_tls
+from splitrl.auth import AuthError, CallGuard, load_tls, ssl_context
 from splitrl.config import AuthConfig, ConfigError, load_config
 from splitrl.serving import check_health, make_channel, start_server
 
@@ -172,3 +175,53 @@ def test_splitrl_health_presents_the_configs_certificate(pki, mtls_server, tmp_p
     assert (refused.returncode, refused.stdout.strip()) == (1, "NOT_SERVING")
     missing = _health_cli(mtls_server.address, "--tls-ca", str(tmp_path / "nope.pem"))
     assert missing.returncode == 2 and "services.auth.tls_ca" in missing.stderr
+
+
+# -- the same TLS for a transport that is not gRPC ---------------------------------------------
+
+
+def _tls_echo_once(server_context: ssl.SSLContext) -> tuple[socket.socket, threading.Thread,
+                                                              list]:
+    """A TCP server on 127.0.0.1 that completes one TLS handshake and echoes one message."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    errors: list = []
+
+    def serve():
+        conn, _ = listener.accept()
+        try:
+            with server_context.wrap_socket(conn, server_side=True) as tls:
+                tls.sendall(tls.recv(16))
+        except (ssl.SSLError, OSError) as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread, errors
+
+
+def _tls_exchange(pki, client_auth_config: AuthConfig) -> tuple[bytes | None, list]:
+    server_context = ssl_context(pki.auth(), server_side=True)
+    listener, thread, server_errors = _tls_echo_once(server_context)
+    client_context = ssl_context(client_auth_config, server_side=False)
+    reply = None
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=10) as raw:
+            with client_context.wrap_socket(raw, server_hostname=SERVER_NAME) as tls:
+                tls.sendall(b"ping")
+                reply = tls.recv(16) or None
+    except (ssl.SSLError, OSError):
+        reply = None
+    thread.join(10)
+    listener.close()
+    return reply, server_errors
+
+
+def test_ssl_context_gives_a_socket_transport_the_same_mutual_tls(pki):
+    reply, errors = _tls_exchange(pki, pki.auth())
+    assert reply == b"ping" and not errors
+    reply, errors = _tls_exchange(pki, AuthConfig(tls_ca=str(pki.ca)))  # no certificate
+    assert reply is None and errors and "certificate" in str(errors[0]).lower()
+    reply, errors = _tls_exchange(pki, pki.auth(cert=pki.other_cert, key=pki.other_key))
+    assert reply is None and errors and "certificate" in str(errors[0]).lower()
+    assert ssl_context(AuthConfig(), server_side=True) is None
+    assert ssl_context(AuthConfig(tls_ca=str(pki.ca)), server_side=True) is None
