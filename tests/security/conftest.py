@@ -13,11 +13,12 @@ def services(tmp_path_factory):
     directory = tmp_path_factory.mktemp("security")
     model = init_model(directory / "tiny-arith", family="qwen2", preset="tiny",
                        vocab="arithmetic", seed=0)
-    running = start_services(directory, model)
-    yield running
-    codes = {name: service.stop() for name, service in running.items()}
-    for name, service in running.items():
-        assert service.proc.returncode is not None, name
+    launcher, running = start_services(directory, model)
+    try:
+        yield running
+    finally:
+        launcher.stop()
     # Every service stops cleanly on SIGTERM after what it went through.
-    bad = {name: code for name, code in codes.items() if code not in (0, -15)}
-    assert not bad, {name: running[name].tail() for name in bad}
+    codes = {name: s.proc.returncode for name, s in running.items()}
+    bad = {name: code for name, code in codes.items() if code != 0}
+    assert not bad, {name: (code, running[name].tail()) for name, code in bad.items()}

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 from rpc_catalog import call_raw, health_rpcs, splitrl_rpcs
-from services import TOKEN
+from services import AUTH
 
 from splitrl.auth import rpc_methods
 from splitrl.config import AuthConfig
@@ -43,7 +43,7 @@ def test_without_the_token_only_the_open_methods_answer(services, rpc):
         missing, details = call_raw(channel, rpc, _empty(rpc), timeout_s=timeout_s)
         wrong, _ = call_raw(channel, rpc, _empty(rpc), timeout_s=timeout_s,
                             metadata=(("authorization", "Bearer not-the-token"),))
-    with make_channel(address, auth=AuthConfig(token=TOKEN)) as channel:
+    with make_channel(address, auth=AUTH) as channel:
         authorised, authorised_details = call_raw(channel, rpc, _empty(rpc),
                                                   timeout_s=timeout_s)
     assert authorised != grpc.StatusCode.UNAUTHENTICATED, authorised_details
@@ -58,7 +58,7 @@ def test_without_the_token_only_the_open_methods_answer(services, rpc):
 def test_an_undecodable_request_is_invalid_argument_in_one_log_line(services, rpc):
     service = services[rpc.server]
     start = service.log_size()
-    with make_channel(service.address, auth=AuthConfig(token=TOKEN)) as channel:
+    with make_channel(service.address, auth=AUTH) as channel:
         payload = [GARBAGE] if rpc.method.client_streaming else GARBAGE
         code, details = call_raw(channel, rpc, payload, timeout_s=30)
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details

@@ -27,10 +27,9 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from proto_strategies import field_mutated, messages, mutated_bytes, stream_mutated
 from rpc_catalog import call_raw, splitrl_rpcs
-from services import TOKEN
+from services import AUTH
 
 from splitrl import wire
-from splitrl.config import AuthConfig
 from splitrl.serving import check_health, make_channel
 from splitrl.v1 import (
     common_pb2,
@@ -45,7 +44,6 @@ SEED = os.environ.get("SPLITRL_FUZZ_SEED")
 CALL_TIMEOUT_S = 60.0
 BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE,
        grpc.StatusCode.UNAUTHENTICATED}
-AUTH = AuthConfig(token=TOKEN)
 KINDS = ["messages", "fields", "bytes"]
 
 
