@@ -10,7 +10,7 @@ partition rules of ``sampler.mesh.strategy``. It serves weight version 0 until a
 the port is bound (port 0 picks a free one), so a parent process can read the address, and
 (``sampler.register_with_trainer``) registers with the trainer and heartbeats.
 
-PushWeights is protected by the shared token when ``services.auth`` configures one. The gRPC
+Every RPC needs the shared token when ``services.auth`` configures one (``splitrl.auth``). The gRPC
 message limit is raised above ``sampler.max_chunk_bytes`` so an oversized chunk reaches the
 weight store and gets a RESOURCE_EXHAUSTED that names the limit. Shutdown marks the health
 service NOT_SERVING, lets in-flight calls finish (``sampler.shutdown_grace_s``) and exits.
@@ -40,7 +40,6 @@ from splitrl.metrics import start_metrics_server
 from splitrl.serving import (
     DEFAULT_MAX_MESSAGE_BYTES,
     Server,
-    auth_metadata,
     make_channel,
     serve_until_signal,
     start_server,
@@ -51,7 +50,6 @@ from splitrl.wire import WireError
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitrl.v1.Sampler"
-PUSH_METHOD = f"/{SERVICE_NAME}/PushWeights"
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
@@ -216,7 +214,6 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
         service_names=[SERVICE_NAME],
         max_message_bytes=max_message,
         auth=config.services.auth,
-        protected_methods=[PUSH_METHOD],
     )
     servicer.address = f"{advertised_host(config)}:{server.port}"
     if not worker.sampler_id:
@@ -240,7 +237,6 @@ class TrainerRegistration:
         self.address = config.services.trainer_address
         self.auth = config.services.auth
         self.interval_s = config.services.heartbeat_s
-        self.metadata = auth_metadata(config.services.auth)
         self.servicer = servicer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="register", daemon=True)
@@ -263,14 +259,14 @@ class TrainerRegistration:
                 try:
                     if not registered:
                         reply = stub.RegisterSampler(trainer_pb2.RegisterSamplerRequest(**me),
-                                                     timeout=5, metadata=self.metadata)
+                                                     timeout=5)
                         registered = reply.accepted
                         self.interval_s = reply.heartbeat_interval_s or self.interval_s
                         log.info("registered with the trainer", extra={"trainer": self.address})
                     else:
                         reply = stub.Heartbeat(trainer_pb2.HeartbeatRequest(
                             weight_version=self.servicer.weights.version, **me),
-                            timeout=5, metadata=self.metadata)
+                            timeout=5)
                         registered = reply.known
                     failing = False
                 except grpc.RpcError as e:

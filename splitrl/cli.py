@@ -9,6 +9,7 @@ container probe must not pay for importing JAX.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -61,11 +62,24 @@ def _init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health_auth(args: argparse.Namespace) -> AuthConfig:
+    """``services.auth`` of ``--config`` (default $SPLITRL_CONFIG: a container's probe uses the
+    credentials of the service it probes), with the --tls-* flags on top."""
+    auth = load_config(args.config).services.auth if args.config else AuthConfig()
+    flags = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+             "tls_server_name": args.tls_server_name}
+    return dataclasses.replace(auth, **{k: v for k, v in flags.items() if v is not None})
+
+
 def _health(args: argparse.Namespace) -> int:
     from splitrl.serving import check_health
 
-    auth = AuthConfig(tls_ca=args.tls_ca) if args.tls_ca else None
-    ok = check_health(args.address, args.service, timeout_s=args.timeout, auth=auth)
+    try:
+        ok = check_health(args.address, args.service, timeout_s=args.timeout,
+                          auth=_health_auth(args))
+    except OSError as e:  # a token_file or certificate that is not there
+        print(f"splitrl health: {e}", file=sys.stderr)
+        return 2
     print("SERVING" if ok else "NOT_SERVING")
     return 0 if ok else 1
 
@@ -140,7 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("address", help="host:port")
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument(
+        "--config",
+        default=os.environ.get("SPLITRL_CONFIG"),
+        help="YAML config whose services.auth (token, TLS) to use (default: $SPLITRL_CONFIG)",
+    )
     p.add_argument("--tls-ca", default=None, help="CA certificate: check over TLS")
+    p.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, help="client private key (mutual TLS)")
+    p.add_argument("--tls-server-name", default=None,
+                   help="name expected in the server's certificate (default: the host)")
     p.set_defaults(func=_health)
 
     p = sub.add_parser("plot", help="draw a run's curves (reward, accuracy, KL, ...) to PNG")

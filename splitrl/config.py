@@ -311,14 +311,48 @@ class SamplerConfig:
 
 @dataclass
 class AuthConfig:
-    """Shared token for mutating RPCs: ``token``, else env ``token_env``, else ``token_file``."""
+    """Who may call the services (``splitrl/auth.py``; threat model in docs/security.md).
+
+    The shared token is ``token``, else env ``token_env``, else ``token_file``. With a token set
+    every RPC of every service needs it except ``open_methods``. TLS: servers serve
+    ``tls_cert``/``tls_key``; clients verify them against ``tls_ca``. ``tls_client_auth`` makes
+    it mutual: servers require a client certificate signed by ``tls_ca`` and every client
+    channel presents ``tls_cert``/``tls_key`` (one certificate per process, valid for both).
+    """
 
     token: str | None = None
     token_env: str = "SPLITRL_AUTH_TOKEN"
     token_file: str | None = None
+    # "package.Service/Method" callable without the token. Health/Check: Kubernetes' gRPC
+    # probes and `splitrl health` send no token. Trainer/Status: read-only progress.
+    open_methods: list[str] = field(default_factory=lambda: [
+        "grpc.health.v1.Health/Check", "splitrl.v1.Trainer/Status"])
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    tls_client_auth: bool = False
+    # The name clients expect in server certificates (default: the host of the address), so
+    # one certificate can serve pods whose IPs change.
+    tls_server_name: str | None = None
+
+    def __post_init__(self):
+        if bool(self.tls_cert) != bool(self.tls_key):
+            unset, other = ("tls_key", "tls_cert") if self.tls_cert else ("tls_cert", "tls_key")
+            raise ConfigError(f"auth.{unset}: expected a file since {other} is set (a "
+                              f"certificate and its key go together), got None")
+        if self.tls_client_auth and not (self.tls_ca and self.tls_cert):
+            raise ConfigError(
+                "auth.tls_client_auth: mutual TLS needs tls_ca (to verify peers) and "
+                f"tls_cert/tls_key (to present), got tls_ca={self.tls_ca!r}, "
+                f"tls_cert={self.tls_cert!r}")
+        if self.open_methods:
+            from splitrl.auth import rpc_methods
+
+            known = rpc_methods()
+            for i, method in enumerate(self.open_methods):
+                if method not in known:
+                    raise ConfigError(
+                        f"auth.open_methods[{i}]: expected one of {known}, got {method!r}")
 
 
 @dataclass

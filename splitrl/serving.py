@@ -3,31 +3,42 @@
 Every server gets the same treatment so that operators see one behaviour everywhere:
 message-size limits set on both ends (gRPC's default 4 MiB receive limit is smaller than a
 weight chunk plus framing), the standard ``grpc.health.v1`` service (what compose health checks
-and Kubernetes' native gRPC probes call), an optional shared-token check on mutating RPCs
-(UNAUTHENTICATED without it), optional TLS, and a graceful stop that marks the service
-NOT_SERVING, lets in-flight calls finish, then exits.
+and Kubernetes' native gRPC probes call), the auth policy of ``splitrl.auth`` on every method
+(with a token set, UNAUTHENTICATED without it except ``services.auth.open_methods``), optional
+TLS or mutual TLS, undecodable requests answered INVALID_ARGUMENT in one log line, and a
+graceful stop that marks the service NOT_SERVING, lets in-flight calls finish, then exits.
+
+Every channel from :func:`make_channel` carries the same credentials: TLS (and this process's
+certificate for mutual TLS) and the token on every call.
 """
 
 from __future__ import annotations
 
-import hmac
+import collections
+import ipaddress
 import logging
-import os
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitrl.auth import (  # noqa: F401  (auth_metadata, resolve_token: re-exported)
+    AUTH_METADATA_KEY,
+    AuthError,
+    CallGuard,
+    auth_metadata,
+    channel_credentials,
+    resolve_token,
+    server_credentials,
+)
 from splitrl.config import AuthConfig
 
 log = logging.getLogger(__name__)
 
-AUTH_METADATA_KEY = "authorization"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -39,58 +50,141 @@ def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tup
     ]
 
 
-def resolve_token(auth: AuthConfig | None) -> str | None:
-    """The shared token from the config, else the environment variable, else the file."""
-    if auth is None:
-        return None
-    if auth.token:
-        return auth.token
-    if auth.token_env and os.environ.get(auth.token_env):
-        return os.environ[auth.token_env]
-    if auth.token_file:
-        path = Path(auth.token_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"services.auth.token_file {str(path)!r} does not exist")
-        return path.read_text().strip() or None
-    return None
+class _Undecodable:
+    """What a request deserializer hands the handler when the bytes are not the message."""
+
+    __slots__ = ("message_type", "size", "error")
+
+    def __init__(self, message_type: str, size: int, error: Exception):
+        self.message_type, self.size, self.error = message_type, size, error
+
+    def describe(self, where: str) -> str:
+        return (f"{where} is not a valid {self.message_type} ({self.size} bytes: "
+                f"{self.error}); is the client built from the same protos/splitrl/v1?")
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls to protected methods that lack ``authorization: Bearer <token>``."""
+def _tolerant(deserializer: Callable[[bytes], object]) -> Callable[[bytes], object]:
+    """Wrap a request deserializer so that undecodable bytes reach our code as an
+    :class:`_Undecodable` (gRPC's own handling answers INTERNAL and logs a traceback)."""
+    owner = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    message_type = owner.full_name if owner is not None else "request message"
 
-    def __init__(self, token: str, protected_methods: Iterable[str]):
-        self._expected = f"Bearer {token}".encode()
-        self._protected = frozenset(protected_methods)
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # DecodeError, invalid UTF-8 in a string field, ...
+            return _Undecodable(message_type, len(data), e)
 
-        def deny(request, context):
-            context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong auth token: send metadata 'authorization: Bearer <token>' "
-                "with the token from services.auth (token, token_env or token_file)",
-            )
+    return deserialize
 
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream_unary = grpc.stream_unary_rpc_method_handler(deny)
-        self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
-        self._deny_stream_stream = grpc.stream_stream_rpc_method_handler(deny)
+
+def _refuse_undecodable(method: str, bad: _Undecodable, where: str, context) -> None:
+    log.warning("undecodable request refused", extra={
+        "method": method, "peer": context.peer(), "message_type": bad.message_type,
+        "bytes": bad.size, "error": str(bad.error)})
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad.describe(where))
+
+
+def _decoding_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` with undecodable requests answered INVALID_ARGUMENT in one log line."""
+    if handler.request_deserializer is None:
+        return handler
+    deserializer = _tolerant(handler.request_deserializer)
+    serializer = handler.response_serializer
+    if not handler.request_streaming:
+        if handler.response_streaming:
+            inner = handler.unary_stream
+
+            def unary_stream(request, context):
+                if isinstance(request, _Undecodable):
+                    _refuse_undecodable(method, request, "the request", context)
+                yield from inner(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, serializer)
+        inner = handler.unary_unary
+
+        def unary_unary(request, context):
+            if isinstance(request, _Undecodable):
+                _refuse_undecodable(method, request, "the request", context)
+            return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, serializer)
+
+    inner_stream = handler.stream_stream if handler.response_streaming else handler.stream_unary
+
+    def refuse_if_bad(bad, context) -> None:
+        if bad:  # whatever the handler made of it, the status names the bad message
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, bad[0].describe(bad[1]))
+
+    def stream_unary(request_iterator, context):
+        bad: list = []
+        try:
+            return inner_stream(_checked_stream(request_iterator, bad), context)
+        except Exception:
+            refuse_if_bad(bad, context)
+            raise
+
+    def stream_stream(request_iterator, context):
+        bad: list = []
+        try:
+            yield from inner_stream(_checked_stream(request_iterator, bad),
+                                    context)
+        except Exception:
+            refuse_if_bad(bad, context)
+            raise
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream_stream, deserializer, serializer)
+    return grpc.stream_unary_rpc_method_handler(stream_unary, deserializer, serializer)
+
+
+def _checked_stream(messages, bad: list):
+    """Yield the request stream's messages; an undecodable one ends it with the wire's error
+    and is recorded in ``bad``. The only request stream is the weight push, whose handler
+    answers a WireError with its status and logs it in one line."""
+    for i, message in enumerate(messages):
+        if isinstance(message, _Undecodable):
+            from splitrl.wire import WireError
+
+            where = f"message #{i} of the request stream"
+            bad[:] = [message, where]
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT, message.describe(where))
+        yield message
+
+
+class _GuardInterceptor(grpc.ServerInterceptor):
+    """Every call of a server passes here: refused (UNAUTHENTICATED, one log line, the request
+    never decoded) unless :class:`CallGuard` lets it through; then undecodable requests are
+    answered INVALID_ARGUMENT in one log line instead of gRPC's INTERNAL and a traceback."""
+
+    _FACTORIES = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+
+    def __init__(self, guard: CallGuard):
+        self._guard = guard
 
     def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method not in self._protected:
-            return continuation(handler_call_details)
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY and hmac.compare_digest(value.encode(), self._expected):
-                return continuation(handler_call_details)
         handler = continuation(handler_call_details)
-        if handler is None:
+        if handler is None:  # no such method: gRPC answers UNIMPLEMENTED
             return None
-        if handler.request_streaming and handler.response_streaming:
-            return self._deny_stream_stream
-        if handler.request_streaming:
-            return self._deny_stream_unary
-        if handler.response_streaming:
-            return self._deny_unary_stream
-        return self._deny_unary
+        method = handler_call_details.method
+        try:
+            self._guard.check(method, handler_call_details.invocation_metadata)
+        except AuthError as e:
+            return self._deny(handler, method, e)
+        return _decoding_handler(method, handler)
 
+    def _deny(self, handler: grpc.RpcMethodHandler, method: str, error: AuthError):
+        def deny(_request, context):  # no deserializer: an unauthenticated request is not read
+            log.warning("call refused: not authenticated",
+                        extra={"method": method, "peer": context.peer()})
+            context.abort(error.code, error.message)
+
+        return self._FACTORIES[(handler.request_streaming, handler.response_streaming)](deny)
 
 @dataclass
 class Server:
@@ -120,15 +214,11 @@ class Server:
         self.grpc_server.wait_for_termination()
 
 
-def _server_credentials(auth: AuthConfig | None) -> grpc.ServerCredentials | None:
-    if auth is None or not auth.tls_cert:
-        return None
-    if not auth.tls_key:
-        raise ValueError("services.auth.tls_cert is set but services.auth.tls_key is not")
-    key = Path(auth.tls_key).read_bytes()
-    cert = Path(auth.tls_cert).read_bytes()
-    ca = Path(auth.tls_ca).read_bytes() if auth.tls_ca else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca)
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def start_server(
@@ -138,22 +228,24 @@ def start_server(
     service_names: list[str],
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     auth: AuthConfig | None = None,
-    protected_methods: Iterable[str] = (),
     max_workers: int = 16,
 ) -> Server:
-    """Start a server on ``address`` ("host:port"; port 0 picks a free one)."""
-    token = resolve_token(auth)
-    interceptors = [_TokenInterceptor(token, protected_methods)] if token else []
+    """Start a server on ``address`` ("host:port"; port 0 picks a free one).
+
+    Every method, the health service's included, is subject to ``auth`` (see
+    ``splitrl.auth``): with a token set, only ``auth.open_methods`` answer without it.
+    """
+    guard = CallGuard(auth)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=grpc_options(max_message_bytes),
-        interceptors=interceptors,
+        interceptors=[_GuardInterceptor(guard)],
         maximum_concurrent_rpcs=None,
     )
     register(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    creds = _server_credentials(auth)
+    creds = server_credentials(auth)
     port = (
         server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     )
@@ -163,7 +255,15 @@ def start_server(
     host = address.rsplit(":", 1)[0]
     running = Server(server, port, f"{host}:{port}", health_servicer, list(service_names))
     running.set_serving(True)
-    log.info("grpc server listening", extra={"address": running.address, "auth": bool(token)})
+    mutual = bool(creds) and auth is not None and auth.tls_client_auth
+    log.info("grpc server listening", extra={
+        "address": running.address, "auth": guard.enabled, "tls": bool(creds),
+        "mutual_tls": mutual, "open_methods": sorted(guard.open_methods) if guard.enabled
+        else "all"})
+    if not (guard.enabled or mutual or _is_loopback(host)):
+        log.warning("no auth configured: every RPC is open to anyone who can reach this port "
+                    "(set services.auth.token_env/token_file, or tls_client_auth; see "
+                    "docs/security.md)", extra={"address": running.address})
     return running
 
 
@@ -185,18 +285,46 @@ def serve_until_signal(server: Server, grace_s: float = 10.0) -> None:
     log.info("server stopped")
 
 
-class _TokenPlugin(grpc.AuthMetadataPlugin):
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _TokenClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``authorization: Bearer <token>`` to every call of a channel (unless the caller
+    passed one). An interceptor, not call credentials, because gRPC refuses call credentials
+    on a plaintext channel."""
+
     def __init__(self, token: str):
-        self._token = token
+        self._pair = (AUTH_METADATA_KEY, f"Bearer {token}")
 
-    def __call__(self, context, callback):
-        callback(((AUTH_METADATA_KEY, f"Bearer {self._token}"),), None)
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = list(details.metadata or ())
+        if any(key == AUTH_METADATA_KEY for key, _ in metadata):
+            return details
+        return _CallDetails(details.method, details.timeout, [*metadata, self._pair],
+                            details.credentials, details.wait_for_ready, details.compression)
 
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
 
-def auth_metadata(auth: AuthConfig | None) -> tuple[tuple[str, str], ...]:
-    """Metadata to send on calls to a server that requires the shared token."""
-    token = resolve_token(auth)
-    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
 
 
 def make_channel(
@@ -204,23 +332,26 @@ def make_channel(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     auth: AuthConfig | None = None,
 ) -> grpc.Channel:
-    """A channel with matching size limits; TLS when ``auth.tls_ca`` is configured.
-
-    The auth token is not attached here (insecure channels cannot carry call credentials);
-    pass ``metadata=auth_metadata(auth)`` on mutating calls.
-    """
-    options = grpc_options(max_message_bytes)
-    if auth is not None and auth.tls_ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(auth.tls_ca).read_bytes())
-        return grpc.secure_channel(address, creds, options=options)
-    return grpc.insecure_channel(address, options=options)
+    """A channel with matching size limits and the credentials of ``auth``: TLS when
+    ``tls_ca`` or ``tls_cert`` is set (presenting this process's certificate when it has one:
+    mutual TLS), and the token on every call when one is configured."""
+    options: list[tuple[str, int | str]] = list(grpc_options(max_message_bytes))
+    creds = channel_credentials(auth)
+    if creds is not None:
+        if auth.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", auth.tls_server_name))
+        channel = grpc.secure_channel(address, creds, options=options)
+    else:
+        channel = grpc.insecure_channel(address, options=options)
+    token = resolve_token(auth)
+    return grpc.intercept_channel(channel, _TokenClientInterceptor(token)) if token else channel
 
 
 def check_health(
     address: str, service: str = "", timeout_s: float = 3.0, auth: AuthConfig | None = None
 ) -> bool:
-    """True if ``address`` answers the standard health check with SERVING (over TLS when
-    ``auth.tls_ca`` is set)."""
+    """True if ``address`` answers the standard health check with SERVING (with the
+    credentials of ``auth``, as every channel)."""
     with make_channel(address, auth=auth) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:

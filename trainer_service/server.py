@@ -28,7 +28,6 @@ from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitrl.v1.Trainer"
-PROTECTED = {f"/{SERVICE_NAME}/RegisterSampler", f"/{SERVICE_NAME}/Heartbeat"}
 
 STEP = Gauge("splitrl_trainer_step", "Train steps done")
 VERSION = Gauge("splitrl_trainer_weight_version", "Weight version of the policy")
@@ -158,7 +157,6 @@ def main(cfg: Config) -> int:
         f"{cfg.services.host}:{port}",
         service_names=[SERVICE_NAME],
         auth=cfg.services.auth,
-        protected_methods=PROTECTED,
     )
     start_metrics_server(cfg.services.metrics_port)
 

@@ -102,7 +102,7 @@ def _push_main(address: str, model_dir: str, version: int, seed: int, token: str
     from splitrl.config import AuthConfig
     from splitrl.mesh import param_shardings, spec_to_strings
     from splitrl.models import hf_from_state, init_random, load_config
-    from splitrl.serving import auth_metadata, make_channel
+    from splitrl.serving import make_channel
     from splitrl.v1 import sampler_pb2, sampler_pb2_grpc
 
     config = load_config(model_dir)
@@ -110,15 +110,14 @@ def _push_main(address: str, model_dir: str, version: int, seed: int, token: str
     flat = hf_from_state(nnx.state(init_random(config, seed=seed, std=0.1)))
     shardings = param_shardings(mesh, {n: a.shape for n, a in flat.items()}, "fsdp")
     params = {n: jax.device_put(a, shardings[n]) for n, a in flat.items()}
-    stub = sampler_pb2_grpc.SamplerStub(make_channel(address))
+    stub = sampler_pb2_grpc.SamplerStub(make_channel(address, auth=AuthConfig(token=token or None)))
     info = stub.GetInfo(sampler_pb2.GetInfoRequest())
     targets = wire.layouts_from_info(info)
     messages = list(wire.iter_push_messages(params, version, max_chunk_bytes=info.max_chunk_bytes,
                                             target_shardings=targets, sender="test-fsdp"))
     regions = sum(1 for m in messages if m.HasField("chunk") and m.chunk.region_shape)
     start = time.perf_counter()
-    metadata = auth_metadata(AuthConfig(token=token or None))
-    reply = stub.PushWeights(iter(messages), timeout=60, metadata=metadata)
+    reply = stub.PushWeights(iter(messages), timeout=60)
     seconds = time.perf_counter() - start
     print(json.dumps({
         "version": reply.version, "bytes": reply.bytes_received, "seconds": seconds,

@@ -22,6 +22,7 @@ import yaml
 from sampler_helpers import HERE, SamplerProcess, subprocess_env
 
 from splitrl import wire
+from splitrl.config import AuthConfig
 from splitrl.serving import check_health, make_channel, start_server
 from splitrl.v1 import (
     common_pb2,
@@ -111,7 +112,7 @@ def sampler(tmp_path_factory, model_dir, reward, trainer):
     path = tmp_path_factory.mktemp("cfg") / "sampler.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = SamplerProcess(path, devices=2)
-    channel = make_channel(proc.address)
+    channel = make_channel(proc.address, auth=AuthConfig(token=TOKEN))
     yield proc, sampler_pb2_grpc.SamplerStub(channel)
     channel.close()
     assert proc.stop() == 0, proc.log_path.read_text()[-3000:]
@@ -338,10 +339,12 @@ def test_a_dead_reward_service_is_unavailable(sampler, reward):
 
 
 def test_push_without_the_token_is_unauthenticated(sampler):
-    _, stub = sampler
+    proc, stub = sampler
     info = _info(stub, digests=False)
-    with pytest.raises(grpc.RpcError) as e:
-        stub.PushWeights(iter(_push_messages(info, _random_params(info, 1), 9)), timeout=30)
+    with make_channel(proc.address) as channel:  # no auth: no token on its calls
+        with pytest.raises(grpc.RpcError) as e:
+            sampler_pb2_grpc.SamplerStub(channel).PushWeights(
+                iter(_push_messages(info, _random_params(info, 1), 9)), timeout=30)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert _served(stub)[0] == 2
 
