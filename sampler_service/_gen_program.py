@@ -115,14 +115,15 @@ def _decode_layers(model, tokens, positions, prompt_kv, pmask, gen_kv, slot, pla
     return logits, tuple(new_gen)
 
 
-def generate_program(graphdef, state, tokens, prompt_mask, row_valid, prompt_ids, sample_ids,
-                     seed, temperature, top_p, logprob_temperature, max_new, stop_ids, *,
+def generate_program(graphdef, state, tokens, prompt_mask, row_valid, prompt_seeds, sample_ids,
+                     version, temperature, top_p, logprob_temperature, max_new, stop_ids, *,
                      plan: Plan):
     """Prefill + decode for P prompts x n rows. Jit with `graphdef` and `plan` static.
 
-    tokens/prompt_mask [P, T] (left padded); row_valid/prompt_ids/sample_ids [P, n];
-    seed uint32 [2]; temperature/top_p/logprob_temperature float32 scalars; max_new int32
-    scalar (<= plan.new_tokens); stop_ids int32 [S] (-1 = unused).
+    tokens/prompt_mask [P, T] (left padded); row_valid/sample_ids [P, n]; prompt_seeds uint32
+    [P, 2] (each prompt's seed, see `sampling.row_keys`); version uint32 [2] (the weights');
+    temperature/top_p/logprob_temperature float32 scalars; max_new int32 scalar
+    (<= plan.new_tokens); stop_ids int32 [S] (-1 = unused).
     Returns (tokens [R, N] int32, logprobs [R, N] float32, lengths [R] int32,
     stopped [R] bool) with R = P * n rows in prompt-major order and N = plan.new_tokens.
     """
@@ -145,8 +146,8 @@ def generate_program(graphdef, state, tokens, prompt_mask, row_valid, prompt_ids
     prompt_len = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)  # [P]
     row_pos0 = jnp.broadcast_to(prompt_len[:, None], (p, n))  # position of generated token 0
 
-    keys = None if plan.greedy else sampling.row_keys(seed, prompt_ids.reshape(r),
-                                                      sample_ids.reshape(r))
+    row_seeds = jnp.broadcast_to(prompt_seeds[:, None], (p, n, 2)).reshape(r, 2)
+    keys = None if plan.greedy else sampling.row_keys(row_seeds, sample_ids.reshape(r), version)
 
     def draw(logits, step):
         u = None if plan.greedy else sampling.step_uniforms(keys, step)

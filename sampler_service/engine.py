@@ -18,8 +18,9 @@ How a call runs:
   while the server may already hand a newer state to the next call.
 
 Logprobs are `log_softmax(logits / temperature)` at the sampled token, before top-k/top-p
-truncation (see `sampling`). Sample j of prompt i is drawn from keys derived from
-(options.seed, i, j), so it does not depend on which batch or row it was computed in.
+truncation (see `sampling`). Sample j of prompt i is drawn from keys derived from (the prompt's
+seed, j, the weight version), so it does not depend on which batch or row it was computed in;
+a prompt's seed is `seeds[i]` when given, else `sampling.prompt_seed(options.seed, i)`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sampler_service._gen_program import Plan, generate_program
-from sampler_service.sampling import SamplingOptions
+from sampler_service.sampling import SamplingOptions, prompt_seed, seed_words
 from splitrl.mesh import TENSOR_AXIS, param_shardings
 from splitrl.models import TransformerConfig, hf_from_state, state_from_hf
 
@@ -109,13 +110,24 @@ class GenerationEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, state: nnx.State, prompts: Sequence[Sequence[int]],
-                 options: SamplingOptions, n: int = 1) -> list[list[GeneratedSequence]]:
-        """n completions for each prompt (token ids), as `result[prompt][sample]`."""
+                 options: SamplingOptions, n: int = 1, *, seeds: Sequence[int] | None = None,
+                 version: int = 0) -> list[list[GeneratedSequence]]:
+        """n completions for each prompt (token ids), as `result[prompt][sample]`.
+
+        `seeds`: one 64-bit seed per prompt (default: derived from `options.seed` and the
+        prompt's index); `version`: the weight version of `state`, part of every row's key.
+        """
         if not isinstance(options, SamplingOptions):
             raise TypeError(f"options: expected SamplingOptions, got {type(options).__name__}")
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"n: expected an integer >= 1, got {n!r}")
         prompts = self._check_prompts(prompts, options.max_new_tokens)
+        if seeds is None:
+            seeds = [prompt_seed(options.seed, i) for i in range(len(prompts))]
+        elif len(seeds) != len(prompts):
+            raise ValueError(f"seeds: expected one per prompt ({len(prompts)}), got {len(seeds)}")
+        words = seed_words(seeds)
+        version_words = seed_words([version])[0]
         start = time.perf_counter()
         group = min(n, self.max_batch_size)
         groups = [(i, list(range(j, min(j + group, n))))
@@ -128,7 +140,7 @@ class GenerationEngine:
         slots = 0
         for b in range(0, len(groups), per_batch):
             slots += self._generate_batch(state, prompts, groups[b:b + per_batch], p, group,
-                                          options, results)
+                                          options, words, version_words, results)
         seconds = time.perf_counter() - start
         tokens = sum(len(s.token_ids) for row in results for s in row)
         with self._lock:
@@ -199,7 +211,8 @@ class GenerationEngine:
         return (NamedSharding(self.mesh, PartitionSpec(b, h, None, None)),
                 NamedSharding(self.mesh, PartitionSpec(b, h, None, None)))
 
-    def _generate_batch(self, state, prompts, groups, p, group, options, results) -> int:
+    def _generate_batch(self, state, prompts, groups, p, group, options, words, version_words,
+                        results) -> int:
         """Runs one compiled program for `groups` padded to p prompts; fills `results`;
         returns the padded row count."""
         longest = max(len(prompts[i]) for i, _ in groups)
@@ -208,26 +221,24 @@ class GenerationEngine:
         tokens = np.full((p, t), self.pad_token_id, np.int32)
         mask = np.zeros((p, t), bool)
         valid = np.zeros((p, group), bool)
-        prompt_ids = np.zeros((p, group), np.int32)
+        prompt_seeds = np.zeros((p, 2), np.uint32)
         sample_ids = np.zeros((p, group), np.int32)
         for row, (i, samples) in enumerate(groups):
             ids = prompts[i]
             tokens[row, t - ids.size:] = ids
             mask[row, t - ids.size:] = True
             valid[row, :len(samples)] = True
-            prompt_ids[row] = i
+            prompt_seeds[row] = words[i]
             sample_ids[row, :len(samples)] = samples
         stops = sorted(set(self.eos_token_ids) | set(options.stop_token_ids))
         stop_ids = np.full(bucket(len(stops), minimum=_STOP_SLOTS), -1, np.int32)
         stop_ids[:len(stops)] = stops
-        seed = options.seed % (1 << 64)
-        seed_words = np.array([seed & 0xFFFFFFFF, seed >> 32], np.uint32)
         greedy = options.is_greedy
         prompt_sh, gen_sh = self._cache_shardings(p, group)
         plan = Plan(new_tokens=nb, top_k=0 if greedy else options.top_k,
                     use_top_p=not greedy and options.top_p < 1.0, greedy=greedy,
                     prompt_cache_sharding=prompt_sh, gen_cache_sharding=gen_sh)
-        args = [tokens, mask, valid, prompt_ids, sample_ids, seed_words,
+        args = [tokens, mask, valid, prompt_seeds, sample_ids, version_words,
                 np.float32(options.temperature if options.temperature > 0 else 1.0),
                 np.float32(options.top_p), np.float32(options.logprob_temperature),
                 np.int32(options.max_new_tokens), stop_ids]

@@ -7,7 +7,8 @@ engine results into ``Completion`` / ``ScoredGroup`` messages. Every malformed f
 Sampling parameters follow ``common.proto``: ``temperature`` 0 = greedy (or ``greedy``),
 ``top_k`` 0 = off, ``top_p`` 0 or 1 = off, ``max_new_tokens`` 0 = ``sampling.max_new_tokens``
 from the config, empty ``stop_token_ids`` = the config's, ``has_seed`` false = a fresh random
-seed per request (so two requests never repeat each other's samples).
+seed per request (so two requests never repeat each other's samples). A prompt with its own
+seed (``Prompt.has_seed``) samples from it whatever request carries it.
 
 Engine calls are serialised (one batch on the mesh at a time); each call takes a weight
 snapshot, and every group reports the version it was generated with. A Rollout runs its
@@ -30,7 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sampler_service import metrics
-from sampler_service.sampling import SamplingOptions
+from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
 from splitrl.config import SamplingConfig
 from splitrl.serving import make_channel
@@ -58,6 +59,7 @@ class PreparedPrompt:
     text: str  # what the reward functions see as the prompt
     reference: str
     metadata: dict[str, str] = field(default_factory=dict)
+    seed: int = 0  # the noise of its completions (see sampling.row_keys)
 
 
 @dataclass
@@ -188,6 +190,15 @@ class RolloutWorker:
         return [self._prepare_one(p, f"{where}[{i}]", str(i), max_new_tokens)
                 for i, p in enumerate(prompts)]
 
+    @staticmethod
+    def assign_seeds(prompts: Sequence[common_pb2.Prompt], prepared: list[PreparedPrompt],
+                     options: SamplingOptions) -> None:
+        """Each prompt's seed: its own (``Prompt.seed``), else a hash of the request's seed and
+        its index in the request, so a prompt's samples do not depend on how the request is
+        split into engine batches."""
+        for i, (message, prompt) in enumerate(zip(prompts, prepared, strict=True)):
+            prompt.seed = int(message.seed) if message.has_seed else prompt_seed(options.seed, i)
+
     def _prepare_one(self, prompt: common_pb2.Prompt, where: str, default_id: str,
                      max_new_tokens: int) -> PreparedPrompt:
         kinds = [k for k, present in (("token_ids", bool(prompt.token_ids)),
@@ -249,7 +260,8 @@ class RolloutWorker:
             version, state = self.weights.snapshot()
             try:
                 sequences = self.engine.generate(state, [p.token_ids for p in prompts],
-                                                 options, n=n)
+                                                 options, n=n, seeds=[p.seed for p in prompts],
+                                                 version=version)
             except ValueError as e:  # the engine's own checks; ours should have caught it
                 raise RequestError(_INVALID, str(e)) from None
             end = time.perf_counter()
@@ -273,6 +285,7 @@ class RolloutWorker:
         options = self.sampling_options(request.sampling)
         n = self.group_size(request.n, "n", zero_means_one=True)
         prompts = self.prepare(request.prompts, options.max_new_tokens)
+        self.assign_seeds(request.prompts, prompts, options)
         result = self.run_engine(prompts, options, n)
         outputs = [sampler_pb2.GeneratedPrompt(
             prompt_id=p.prompt_id, prompt_token_ids=p.token_ids,
@@ -286,6 +299,7 @@ class RolloutWorker:
         options = self.sampling_options(request.sampling)
         group = self.group_size(request.group_size, "group_size")
         prompts = self.prepare(request.prompts, options.max_new_tokens)
+        self.assign_seeds(request.prompts, prompts, options)
         self.check_min_version(request.min_version)
         if self.reward is None:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,

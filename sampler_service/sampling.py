@@ -11,10 +11,12 @@ truncation only decides which tokens can be drawn. Greedy decoding (`greedy=True
 `temperature == 0`) reports `log_softmax(logits)` (temperature 1) unless a positive temperature
 is given alongside `greedy=True`, in which case that temperature is used.
 
-**Draws.** Every row owns a PRNG key (derived from the request seed, the prompt index and the
-sample index, see `row_keys`), and step `i` of a row uses `fold_in(row_key, i)`. A sample
-therefore depends only on (seed, prompt index, sample index) and the model's logits, not on
-the batch it lands in. A draw is one uniform per row and step, mapped through the inverse CDF
+**Draws.** Every row owns a PRNG key derived from its prompt's seed, its sample index and the
+weight version (see `row_keys`); step `i` of a row uses `fold_in(row_key, i)`. A prompt's seed
+is the one the request gives it (a trainer derives it from the run seed and the prompt's uid),
+else a hash of the request seed and the prompt's index (`prompt_seed`). A sample therefore
+depends only on (prompt seed, sample index, weight version) and the model's logits, not on the
+request or batch it lands in. A draw is one uniform per row and step, mapped through the inverse CDF
 of the filtered distribution (cheaper on CPU than Gumbel-max, which needs V random numbers).
 """
 
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NEG_INF = float("-inf")
 # Blocks for the two-level inverse-CDF over a full vocabulary (XLA's cumsum over 16k+ entries
@@ -178,14 +181,35 @@ def top_p_filter(logits: jax.Array, top_p) -> jax.Array:
 # ---------------------------------------------------------------------------- draws
 
 
-def row_keys(seed: jax.Array, prompt_ids: jax.Array, sample_ids: jax.Array) -> jax.Array:
-    """One PRNG key per row from the request seed (uint32 [2]: low, high word) and ids [R]."""
-    base = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+def prompt_seed(request_seed: int, prompt_index: int) -> int:
+    """The 64-bit seed of the prompt at ``prompt_index`` of a request that gave no per-prompt
+    seed: a hash of (request seed, index), so neighbouring prompts get unrelated noise."""
+    seed = int(request_seed) % (1 << 64)
+    words = np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32, int(prompt_index)])
+    low, high = words.generate_state(2, np.uint32)
+    return int(low) | (int(high) << 32)
 
-    def one(p, s):
-        return jax.random.fold_in(jax.random.fold_in(base, p), s)
 
-    return jax.vmap(one)(prompt_ids.astype(jnp.uint32), sample_ids.astype(jnp.uint32))
+def seed_words(seeds: Sequence[int]) -> np.ndarray:
+    """64-bit seeds as uint32 [N, 2] (low word, high word) for the device."""
+    values = [int(s) % (1 << 64) for s in seeds]
+    return np.array([[v & 0xFFFFFFFF, v >> 32] for v in values], np.uint32).reshape(-1, 2)
+
+
+def row_keys(seeds: jax.Array, sample_ids: jax.Array, version: jax.Array) -> jax.Array:
+    """One PRNG key per row from its prompt's seed (uint32 [R, 2]), its sample index [R] and
+    the weight version that generates it (uint32 [2]: low, high word).
+
+    So completion j of a prompt is drawn from the same noise whichever request, batch or row
+    carries it; a new weight version gives it fresh noise.
+    """
+
+    def one(words, sample):
+        key = jax.random.fold_in(jax.random.key(words[0]), words[1])
+        key = jax.random.fold_in(jax.random.fold_in(key, version[0]), version[1])
+        return jax.random.fold_in(key, sample)
+
+    return jax.vmap(one)(seeds.astype(jnp.uint32), sample_ids.astype(jnp.uint32))
 
 
 def step_uniforms(keys: jax.Array, step) -> jax.Array:

@@ -108,16 +108,27 @@ def test_greedy_is_argmax_with_untempered_logprob():
     np.testing.assert_allclose(lp, ref, atol=1e-6)
 
 
-def test_row_keys_depend_only_on_seed_prompt_and_sample():
+def test_row_keys_depend_only_on_prompt_seed_sample_and_version():
     @jax.jit
-    def draw(seed, prompts, samples):
-        return sampling.step_uniforms(sampling.row_keys(seed, prompts, samples), 3)
+    def draw(seeds, samples, version):
+        return sampling.step_uniforms(sampling.row_keys(seeds, samples, version), 3)
 
-    seed = jnp.array([7, 0], jnp.uint32)
-    a = np.asarray(draw(seed, jnp.array([0, 1, 2]), jnp.array([0, 0, 1])))
-    b = np.asarray(draw(seed, jnp.array([2, 0, 1]), jnp.array([1, 0, 0])))
-    np.testing.assert_array_equal(a[[2, 0, 1]], b)
+    seeds = jnp.asarray(sampling.seed_words([7, 8, 9]))
+    v0 = jnp.array([0, 0], jnp.uint32)
+    a = np.asarray(draw(seeds, jnp.array([0, 0, 1]), v0))
+    b = np.asarray(draw(seeds[jnp.array([2, 0, 1])], jnp.array([1, 0, 0]), v0))
+    np.testing.assert_array_equal(a[[2, 0, 1]], b)  # rows move, draws follow them
     assert len(set(a.tolist())) == 3
-    other = np.asarray(draw(jnp.array([8, 0], jnp.uint32), jnp.array([0, 1, 2]),
-                            jnp.array([0, 0, 1])))
-    assert other[0] != a[0]
+    other_seed = np.asarray(draw(jnp.asarray(sampling.seed_words([6, 8, 9])),
+                                 jnp.array([0, 0, 1]), v0))
+    assert other_seed[0] != a[0] and other_seed[1] == a[1]
+    other_version = np.asarray(draw(seeds, jnp.array([0, 0, 1]), jnp.array([1, 0], jnp.uint32)))
+    assert not np.any(other_version == a)
+
+
+def test_prompt_seeds_are_distinct_hashes_of_request_seed_and_index():
+    seeds = [sampling.prompt_seed(5, i) for i in range(100)]
+    assert len(set(seeds)) == 100 and all(0 <= s < 1 << 64 for s in seeds)
+    assert sampling.prompt_seed(5, 3) == seeds[3] and sampling.prompt_seed(6, 3) != seeds[3]
+    words = sampling.seed_words([(1 << 64) - 1, 1 << 32])
+    assert words.tolist() == [[0xFFFFFFFF, 0xFFFFFFFF], [0, 1]]

@@ -293,6 +293,27 @@ def test_rollout_streams_scored_groups(sampler, reward):
     assert reward[1].calls >= 1
 
 
+def test_a_prompt_with_its_own_seed_samples_the_same_in_any_request(sampler):
+    _, stub = sampler
+
+    def tokens(prompts, request_seed):
+        sampling = common_pb2.SamplingParams(temperature=1.0, has_seed=True, seed=request_seed)
+        reply = stub.Generate(sampler_pb2.GenerateRequest(prompts=prompts, sampling=sampling,
+                                                          n=2), timeout=120, metadata=AUTH)
+        return {o.prompt_id: [list(c.token_ids) for c in o.completions] for o in reply.outputs}
+
+    seeded = _prompts()
+    for i, prompt in enumerate(seeded):
+        prompt.seed, prompt.has_seed = 1000 + i, True
+    together = tokens(seeded, 7)
+    # Alone, in another position and under another request seed: the same samples.
+    assert tokens([seeded[2]], 8)["c"] == together["c"]
+    assert tokens([seeded[2], seeded[0]], 9) == {k: together[k] for k in ("a", "c")}
+    # Without their own seeds the prompts follow the request's seed (and their index).
+    unseeded = tokens(_prompts(), 7)
+    assert unseeded != together
+
+
 @pytest.mark.parametrize(("change", "code", "fragment"), [
     ({"prompts": []}, "INVALID_ARGUMENT", "prompts: expected at least one prompt"),
     ({"prompts": [common_pb2.Prompt()]}, "INVALID_ARGUMENT", "prompts[0]: set exactly one"),
