@@ -51,7 +51,7 @@ from trainer_service.orchestration.data import PromptStream
 from trainer_service.orchestration.dispatcher import Dispatcher
 from trainer_service.orchestration.evaluation import accuracy_function, evaluate
 from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
-from trainer_service.orchestration.publisher import WeightPublisher
+from trainer_service.orchestration.publisher import PushInFlight, PushResult, WeightPublisher
 from trainer_service.orchestration.rollouts import RolloutBuffer, RolloutGroup, WorkItem
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,9 @@ class TrainerRun:
             min_version=lambda: self.version - tcfg.max_staleness,
             metadata=self.metadata,
         )
-        self.publisher = WeightPublisher(self.pool, metadata=self.metadata)
+        self.publisher = WeightPublisher(self.pool, metadata=self.metadata,
+                                         auth=cfg.services.auth, push=tcfg.push)
+        self._push_in_flight: PushInFlight | None = None
         names = [f.name for f in cfg.reward.functions]
         self.accuracy_fn = accuracy_function(names)
         self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
@@ -275,11 +277,7 @@ class TrainerRun:
             self.step += 1
         t_train = time.monotonic()
         if self.step % tcfg.push_every == 0 or self.step == tcfg.steps:
-            results = self.publisher.push_all(self._params_for_push(), self.version)
-            pushed = [r for r in results if r.ok]
-            metrics["push/seconds"] = max((r.seconds for r in pushed), default=0.0)
-            metrics["push/mb"] = sum(r.bytes for r in pushed) / 2**20
-            metrics["push/failed"] = float(len(results) - len(pushed))
+            metrics.update(self._push_weights())
         t_push = time.monotonic()
         self._feed()  # next step's prompts go out while we checkpoint and log
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
@@ -304,6 +302,27 @@ class TrainerRun:
         self.trained_file.flush()
         self._checkpoint()  # a no-op unless a save is due
         return metrics
+
+    def _push_weights(self) -> dict[str, float]:
+        """Push the new version. With max_staleness >= 1 it goes in the background (samplers
+        serve the old version until their swap, the next update does not wait); only the
+        previous push is waited for (one at a time). Metrics: the finished push's own time
+        (push/seconds) and what this step waited on pushes (time/push_wait_s)."""
+        waited = time.monotonic()
+        results = self._finish_push()
+        wait_s = time.monotonic() - waited
+        if self.cfg.trainer.max_staleness >= 1:
+            self._push_in_flight = self.publisher.push_all_async(self._params_for_push(),
+                                                                 self.version)
+        else:
+            results = self.publisher.push_all(self._params_for_push(), self.version)
+            wait_s = time.monotonic() - waited
+        return {"time/push_wait_s": wait_s, **_push_metrics(results)}
+
+    def _finish_push(self) -> list[PushResult] | None:
+        """Wait for the push in flight, if any; its results."""
+        in_flight, self._push_in_flight = self._push_in_flight, None
+        return in_flight.wait() if in_flight is not None else None
 
     def run(self, progress=None) -> dict[str, float]:
         if not self.hosts.is_leader:
@@ -402,6 +421,7 @@ class TrainerRun:
 
     def close(self) -> None:
         if self.hosts.is_leader:
+            self._finish_push()
             self.hosts.stop(failed=self.status.state == "failed")  # release the followers
             self.dispatcher.stop()
             self.buffer.close()
@@ -410,6 +430,21 @@ class TrainerRun:
             self.metrics_file.close()
             self.trained_file.close()
         self.checkpointer.close()
+
+
+def _push_metrics(results: list[PushResult] | None) -> dict[str, float]:
+    """A finished push in numbers (nothing when none finished)."""
+    if results is None:
+        return {}
+    pushed = [r for r in results if r.ok]
+    return {
+        "push/seconds": max((r.seconds for r in pushed), default=0.0),
+        "push/mb": sum(r.bytes for r in pushed) / 2**20,  # bytes the samplers received
+        "push/full_mb": sum(r.full_bytes for r in pushed) / 2**20,  # as full pushes
+        "push/egress_mb": sum(r.egress_bytes for r in results) / 2**20,  # the trainer sent
+        "push/delta": float(sum(r.delta for r in pushed)),
+        "push/failed": float(len(results) - len(pushed)),
+    }
 
 
 _LOGGED = {
