@@ -49,7 +49,7 @@ def sampler(tmp_path_factory, model_dir):
         "sampler": {"max_batch_size": 4, "max_sequence_length": 32,
                     "max_chunk_bytes": MAX_CHUNK, "push_idle_timeout_s": IDLE_S,
                     "mesh": {"axes": {"tensor": 2}, "strategy": "tp"},
-                    "register_with_trainer": False},
+                    "register_with_trainer": False, "shutdown_grace_s": 1},
         "services": {"host": "127.0.0.1", "sampler_port": 0, "metrics_port": 0,
                      "reward_address": "", "auth": {"token": TOKEN}},
         "trainer": {"steps": STEPS},

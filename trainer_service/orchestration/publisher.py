@@ -103,6 +103,7 @@ class WeightPublisher:
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="push")
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-async")
         self._incarnation = uuid.uuid4().hex[:12]  # push ids of two trainer runs never collide
+        self._lineage = 0  # rollbacks so far: a version pushed again after one is other bytes
         self._bases: dict[tuple, DeltaBase] = {}
         self.history: list[PushResult] = []
 
@@ -126,7 +127,10 @@ class WeightPublisher:
         self, params: Mapping, version: int, *, reset: bool = False,
         handles: list[SamplerHandle] | None = None,
     ) -> list[PushResult]:
-        """Push to every sampler that can take weights; returns one result per sampler."""
+        """Push to every sampler that can take weights; returns one result per sampler. With
+        ``reset`` the samplers take ``version`` even if they serve a newer one (a rollback)."""
+        if reset:
+            self._lineage += 1
         targets = handles if handles is not None else [
             h for h in self.pool.all() if h.info is not None]
         futures = [self._executor.submit(self._push_locked, group, params, version, reset)
@@ -255,7 +259,7 @@ class WeightPublisher:
         """Names the bytes of ``version`` in ``handle``'s dtypes, for this trainer run."""
         profile = dtype_profile(layouts_from_info(handle.info))
         digest = hashlib.sha256(repr(profile).encode()).hexdigest()[:8]
-        return f"{self._incarnation}-v{version}-{digest}"
+        return f"{self._incarnation}.{self._lineage}-v{version}-{digest}"
 
     def _push_bulk(self, chain: list[SamplerHandle], params: Mapping, version: int,
                    reset: bool) -> list[tuple[SamplerHandle, PushResult, bool]]:
