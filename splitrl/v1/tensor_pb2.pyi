@@ -13,8 +13,10 @@ class TensorChunk(_message.Message):
         __slots__ = ()
         RAW: _ClassVar[TensorChunk.Encoding]
         SPARSE: _ClassVar[TensorChunk.Encoding]
+        BITMAP: _ClassVar[TensorChunk.Encoding]
     RAW: TensorChunk.Encoding
     SPARSE: TensorChunk.Encoding
+    BITMAP: TensorChunk.Encoding
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]

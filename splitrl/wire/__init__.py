@@ -17,8 +17,9 @@ Sender (:func:`push_header`, :func:`iter_push_frames`; :func:`iter_push_messages
       straight to the device (or host) that owns that block without reassembling the tensor;
     - replicas are sent once (shards with ``replica_id == 0``).
 
-    With the blocks of the weights the receiver serves (``base``), a chunk goes SPARSE (only the
-    elements that changed, see ``_delta.py``) when that is smaller. Byte order is little-endian.
+    With the blocks of the weights the receiver serves (``base``), a chunk goes as a delta (only
+    the elements that changed: SPARSE or BITMAP, see ``_delta.py``) when that is smaller. Byte
+    order is little-endian.
 
 Receiver (:class:`ChunkAssembler`)
     Checks every chunk against the receiver's manifest ``{name: (dtype, shape)}``: known name,
@@ -45,7 +46,15 @@ from splitrl.wire._core import (
     model_fingerprint,
     numpy_dtype,
 )
-from splitrl.wire._delta import sparse_apply, sparse_encode
+from splitrl.wire._delta import (
+    BITMAP,
+    RAW,
+    SPARSE,
+    delta_apply,
+    delta_encode,
+    sparse_apply,
+    sparse_encode,
+)
 from splitrl.wire._layout import (
     Bounds,
     SenderBlock,
@@ -70,9 +79,11 @@ from splitrl.wire._sender import (
 )
 
 __all__ = [
-    "FLOAT_DTYPES", "BaseBlocks", "BlockSink", "Bounds", "ChunkAssembler", "Frame",
+    "BITMAP", "FLOAT_DTYPES", "RAW", "SPARSE", "BaseBlocks", "BlockSink", "Bounds",
+    "ChunkAssembler", "Frame",
     "SenderBlock", "TargetLayout", "WireError", "array_digest", "assemble", "byte_view",
-    "check_targets", "checksum", "dtype_name", "iter_push_frames", "iter_push_messages",
+    "check_targets", "checksum", "delta_apply", "delta_encode", "dtype_name",
+    "iter_push_frames", "iter_push_messages",
     "iter_region_chunks", "iter_region_frames", "iter_tensor_chunks", "iter_tensor_frames",
     "layout_from_sharding", "layouts_from_info", "model_fingerprint", "numpy_dtype",
     "plan_regions", "push_header", "sender_blocks", "sparse_apply", "sparse_encode",

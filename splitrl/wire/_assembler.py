@@ -12,11 +12,13 @@ import numpy as np
 
 from splitrl.v1 import tensor_pb2
 from splitrl.wire._core import WireError, aligned_empty, byte_view, checksum, numpy_dtype
-from splitrl.wire._delta import sparse_apply
+from splitrl.wire._delta import BITMAP, delta_apply
 from splitrl.wire._layout import Bounds
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _RAW, _SPARSE = tensor_pb2.TensorChunk.RAW, tensor_pb2.TensorChunk.SPARSE
+_DELTAS = (_SPARSE, BITMAP)
+_NAMES = {_RAW: "RAW", _SPARSE: "SPARSE", BITMAP: "BITMAP"}
 
 
 @dataclass
@@ -132,7 +134,7 @@ class ChunkAssembler:
     receiver holds each tensor: bytes are assembled per block in 64-byte aligned buffers, and
     a region inside one block (what a sender that cuts along the receiver's blocks sends) is
     received straight into its place there, run by run, with no copy. ``base`` (a delta push)
-    returns the served tensor as a host array; only with it may chunks be SPARSE.
+    returns the served tensor as a host array; only with it may chunks be deltas.
     """
 
     def __init__(
@@ -165,7 +167,7 @@ class ChunkAssembler:
                             f"{self.expected_bytes} (the sampler's parameters in their dtypes)")
         self.total_bytes = total_bytes
         self.bytes_received = 0  # decoded bytes
-        self.payload_bytes = 0  # bytes on the wire (smaller than decoded for SPARSE chunks)
+        self.payload_bytes = 0  # bytes on the wire (fewer than decoded for deltas)
         self.chunks_received = 0
         self._pending: _Pending | None = None
 
@@ -183,13 +185,13 @@ class ChunkAssembler:
             return self.commit()
         tensor, region, start, end, where = self._locate(chunk, len(payload))
         if self._base is None:
-            raise WireError(_INVALID, f"{where}: a SPARSE chunk in a full push (header.base_id "
-                            "is empty); deltas need the base the sampler serves")
+            raise WireError(_INVALID, f"{where}: a {_NAMES[chunk.encoding]} chunk in a full push "
+                            "(header.base_id is empty); deltas need the base the sampler serves")
         if region.base is None:
             region.base = self._region_base(chunk.name, tensor, region)
         decoded = region.base[start:end].copy()
         try:
-            changed = sparse_apply(decoded, payload, tensor.dtype.itemsize)
+            changed = delta_apply(decoded, payload, tensor.dtype.itemsize, chunk.encoding)
         except ValueError as e:
             raise WireError(_INVALID, f"{where}: {e}") from None
         self.payload_bytes += len(payload)
@@ -256,17 +258,17 @@ class ChunkAssembler:
         if tuple(chunk.shape) != tensor.shape:
             raise WireError(_INVALID, f"{where}: shape is {list(chunk.shape)}, expected "
                             f"{list(tensor.shape)}")
-        if chunk.encoding not in (_RAW, _SPARSE):
+        if chunk.encoding not in _NAMES:
             raise WireError(_INVALID, f"{where}: unknown encoding {chunk.encoding} (expected "
-                            "RAW or SPARSE)")
+                            f"one of {sorted(_NAMES.values())})")
         region = self._region(tensor, chunk, where)
         if region.flat is None:
             raise WireError(_INVALID, f"{where}: duplicate chunk, region start "
                             f"{list(region.start)} shape {list(region.shape)} is already complete")
-        length = chunk.length if chunk.encoding == _SPARSE else size
-        if chunk.encoding == _SPARSE and (length <= 0 or length % tensor.dtype.itemsize
+        length = chunk.length if chunk.encoding in _DELTAS else size
+        if chunk.encoding in _DELTAS and (length <= 0 or length % tensor.dtype.itemsize
                                           or length > self.max_chunk_bytes):
-            raise WireError(_INVALID, f"{where}: a SPARSE chunk's length must be a positive "
+            raise WireError(_INVALID, f"{where}: a delta chunk's length must be a positive "
                             f"number of {tensor.dtype.itemsize}-byte elements up to "
                             f"max_chunk_bytes {self.max_chunk_bytes}; got {length}")
         end = chunk.offset + length
@@ -284,7 +286,7 @@ class ChunkAssembler:
     def _verify(chunk, got: int, start: int, where: str) -> None:
         if got != chunk.checksum:
             what = ("the delta does not turn the sampler's base into the sender's bytes (or was "
-                    "corrupted in transit)" if chunk.encoding == _SPARSE
+                    "corrupted in transit)" if chunk.encoding in _DELTAS
                     else "the data was corrupted in transit")
             raise WireError(grpc.StatusCode.DATA_LOSS,
                             f"{where}: checksum mismatch at offset {start} (got crc32c "
@@ -375,7 +377,7 @@ class ChunkAssembler:
 
     def modified(self, name: str) -> bool:
         """False when a complete tensor of a delta push equals the base bit for bit (every chunk
-        a SPARSE chunk with no change): the receiver may keep serving the base's array."""
+        a delta with no change): the receiver may keep serving the base's array."""
         return self._tensors[name].modified
 
     def pop_blocks(self, name: str) -> dict[Bounds, np.ndarray]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from splitrl.v1 import sampler_pb2, tensor_pb2
 from splitrl.wire._core import byte_view, checksum, dtype_name, numpy_dtype
-from splitrl.wire._delta import sparse_encode
+from splitrl.wire._delta import delta_encode
 from splitrl.wire._layout import Bounds, TargetLayout, plan_regions, sender_blocks
 
 Frame = tuple[tensor_pb2.TensorChunk, memoryview]
@@ -23,8 +23,6 @@ BaseBlocks = Callable[[str, Bounds], "np.ndarray | None"]
 # Called with every block once its chunks are sent (in the wire dtype; ``fresh``: a cast made
 # it, nobody else holds it): how a sender keeps the next base.
 BlockSink = Callable[[str, Bounds, np.ndarray, bool], None]
-
-_SPARSE = tensor_pb2.TensorChunk.SPARSE
 
 
 def iter_region_frames(
@@ -40,8 +38,8 @@ def iter_region_frames(
     """Frames (<= ``max_chunk_bytes`` of payload each, whole elements) of ``region``.
 
     ``region_start`` None means ``region`` is the whole tensor (sent with empty region fields).
-    With ``base`` (the same region of the weights the receiver serves) a chunk is sent SPARSE
-    when that is smaller than its raw bytes.
+    With ``base`` (the same region of the weights the receiver serves) a chunk is sent as a
+    delta (SPARSE or BITMAP, see ``_delta.py``) when that is smaller than its raw bytes.
     """
     itemsize = region.dtype.itemsize
     if max_chunk_bytes < itemsize:
@@ -71,11 +69,12 @@ def iter_region_frames(
         piece = view[offset : offset + step]
         crc = checksum(piece)
         if old is not None:
-            sparse = sparse_encode(raw[offset : offset + step], old[offset : offset + step],
-                                   itemsize)
-            if sparse is not None:
-                yield (tensor_pb2.TensorChunk(offset=offset, checksum=crc, encoding=_SPARSE,
-                                              length=len(piece), **meta), memoryview(sparse))
+            delta = delta_encode(raw[offset : offset + step], old[offset : offset + step],
+                                 itemsize)
+            if delta is not None:
+                encoding, payload = delta
+                yield (tensor_pb2.TensorChunk(offset=offset, checksum=crc, encoding=encoding,
+                                              length=len(piece), **meta), memoryview(payload))
                 continue
         yield tensor_pb2.TensorChunk(offset=offset, checksum=crc, **meta), piece
 

@@ -312,10 +312,10 @@ def test_a_delta_carries_only_the_changed_elements_and_rebuilds_the_new_bytes():
 
 def test_a_chunk_that_changed_too_much_goes_raw_and_an_unchanged_tensor_is_reported():
     old = {"a": np.zeros(16, np.float32), "b": np.ones(16, np.float32)}
-    new = {"a": np.arange(16, dtype=np.float32), "b": old["b"].copy()}
+    new = {"a": np.arange(1, 17, dtype=np.float32), "b": old["b"].copy()}
     frames = _delta_chunks(new, old)
     assert {c.encoding for c, _ in frames if c.name == "a"} == {0}  # RAW: all changed
-    assert {c.encoding for c, _ in frames if c.name == "b"} == {1}  # SPARSE with no change
+    assert {c.encoding for c, _ in frames if c.name == "b"} == {1}  # no change: SPARSE, empty
     assert all(len(p) == 0 for c, p in frames if c.name == "b")
     assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=64,
                                base=lambda n: old[n])
@@ -349,12 +349,12 @@ def test_a_delta_against_the_wrong_base_is_data_loss_and_a_delta_needs_a_base():
     (lambda p: np.array([0, 999], "<u4").tobytes() + p[8:16], "must ascend strictly"),
 ])
 def test_malformed_sparse_payloads_are_invalid_argument(mangle, fragment):
-    old = {"w": np.zeros(16, np.float32)}
+    old = {"w": np.zeros(256, np.float32)}
     new = {"w": old["w"].copy()}
     new["w"][[2, 5]] = 1.0
-    (chunk, payload), = _delta_chunks(new, old)
+    (chunk, payload), = _delta_chunks(new, old, max_chunk_bytes=1024)
     assert chunk.encoding == chunk.SPARSE and len(payload) == 16
-    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=64,
+    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=1024,
                                base=lambda n: old[n])
     with pytest.raises(WireError) as info:
         assembler.add(chunk, mangle(payload))
@@ -370,3 +370,30 @@ def test_sparse_encoding_compares_bits_not_values():
     out = base.copy()
     assert wire.sparse_apply(out.view(np.uint8), payload, 4) == 1
     assert out.tobytes() == new.tobytes()
+
+
+def test_the_sender_picks_the_smallest_delta_encoding_per_chunk():
+    base = np.zeros(4096, ml_dtypes.bfloat16)
+    few, many = base.copy(), base.copy()
+    few[[5, 900]] = 1.0  # 2 of 4096: indices are cheaper than a bitmap
+    many[::3] = 1.0  # a third: a bitmap is cheaper than indices, values still beat raw
+    raw = base.view(np.uint8)
+    for new, encoding, size in [(few, wire.SPARSE, 2 * 6), (many, wire.BITMAP, 512 + 1366 * 2)]:
+        got, payload = wire.delta_encode(new.view(np.uint8), raw, 2)
+        assert (got, len(payload)) == (encoding, size)
+        out = raw.copy()
+        assert wire.delta_apply(out, payload, 2, got) == np.count_nonzero(new != base)
+        assert out.tobytes() == new.tobytes()
+    assert wire.delta_encode(np.ones(4096, ml_dtypes.bfloat16).view(np.uint8), raw, 2) is None
+
+
+def test_a_malformed_bitmap_payload_is_invalid_argument():
+    old = {"w": np.zeros(64, np.float32)}
+    new = {"w": old["w"].copy()}
+    new["w"][::2] = 1.0
+    (chunk, payload), = _delta_chunks(new, old, max_chunk_bytes=256)
+    assert chunk.encoding == wire.BITMAP
+    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=256,
+                               base=lambda n: old[n])
+    with pytest.raises(WireError, match="a BITMAP payload with 32 changes must be 136 bytes"):
+        assembler.add(chunk, payload[:-4])
