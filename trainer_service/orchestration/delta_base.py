@@ -25,17 +25,32 @@ class DeltaBase:
         self.push_id: str | None = None  # None: the blocks are not one whole push
         self.version = -1
         self._blocks: dict[tuple[str, Bounds], np.ndarray] = {}
+        self._kept: set[tuple[str, Bounds]] = set()  # blocks kept by the push in progress
         self._lock = threading.Lock()
 
     def claim(self) -> bool:
         """Take the base for one push (False: another push is using it)."""
-        return self._lock.acquire(blocking=False)
+        if not self._lock.acquire(blocking=False):
+            return False
+        self._kept = set()
+        return True
 
     def release(self) -> None:
         self._lock.release()
 
     def block(self, name: str, bounds: Bounds) -> np.ndarray | None:
-        return self._blocks.get((name, bounds))
+        """The base of one sender block: kept as is, or cut from a kept block that contains it
+        (the last push read the tensor whole, e.g. a sampler synced from a host copy)."""
+        found = self._blocks.get((name, bounds))
+        if found is not None:
+            return found
+        for (other, outer), block in self._blocks.items():
+            if other == name and len(outer) == len(bounds) and all(
+                    o0 <= b0 and b1 <= o1 for (b0, b1), (o0, o1) in zip(bounds, outer,
+                                                                        strict=True)):
+                return block[tuple(slice(b0 - o0, b1 - o0) for (b0, b1), (o0, _) in
+                                   zip(bounds, outer, strict=True))]
+        return None
 
     def keep(self, name: str, bounds: Bounds, host: np.ndarray, fresh: bool) -> None:
         """Remember ``host`` (one block as sent). A block the sender made (``fresh``: a cast) is
@@ -43,6 +58,7 @@ class DeltaBase:
         last time's buffer when it fits."""
         self.push_id = None  # part old push, part new until complete()
         key = (name, bounds)
+        self._kept.add(key)
         old = self._blocks.get(key)
         if fresh:
             self._blocks[key] = host
@@ -53,7 +69,11 @@ class DeltaBase:
             self._blocks[key] = np.array(host, copy=True)
 
     def complete(self, push_id: str, version: int) -> None:
-        """Every block of the push named ``push_id`` is kept."""
+        """Every block of the push named ``push_id`` is kept (blocks of a tensor cut another
+        way by an earlier push are dropped)."""
+        for stale in set(self._blocks) - self._kept:
+            del self._blocks[stale]
+        self._kept = set()
         self.push_id, self.version = push_id, version
 
     @property
