@@ -253,10 +253,10 @@ class BulkIntake:
                 except WireError as e:
                     session.close()
                     session, error = None, e
-            target = place if place is not None else [scratch[:size]]
-            stream.recv_scatter(target)
+            target = place if place is not None else scratch[:size]
+            stream.recv_into(target)
             if link is not None:
-                link.forward(head, target)
+                link.forward(head, [target])
                 metrics.PUSH_RELAYED_BYTES.inc(size)
             if session is None:
                 continue
@@ -264,7 +264,7 @@ class BulkIntake:
                 if place is not None:
                     session.commit()
                 else:
-                    session.add(chunk, target[0])
+                    session.add(chunk, target)
             except WireError as e:
                 session.close()
                 session, error = None, e

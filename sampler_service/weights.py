@@ -123,9 +123,8 @@ class PushSession:
         """One chunk whose bytes are ``payload`` (default ``chunk.data``)."""
         self._place(self.assembler.add(chunk, payload))
 
-    def reserve(self, chunk: tensor_pb2.TensorChunk, size: int) -> list[memoryview]:
-        """Where a RAW chunk's ``size`` bytes go (in order); receive them there, then
-        :meth:`commit`."""
+    def reserve(self, chunk: tensor_pb2.TensorChunk, size: int) -> memoryview:
+        """Where to receive a RAW chunk's ``size`` bytes; then :meth:`commit`."""
         return self.assembler.reserve(chunk, size)
 
     def commit(self) -> None:

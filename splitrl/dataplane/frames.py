@@ -36,14 +36,13 @@ MAX_META_BYTES = 1 << 20
 _IOV_MAX = 1024  # buffers per sendmsg/recvmsg_into call (Linux's IOV_MAX)
 
 
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes from the list of views (in place)."""
-    while n and views:
-        if n >= len(views[0]):
-            n -= len(views.pop(0))
-        else:
-            views[0] = views[0][n:]
-            n = 0
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """The views that remain after the first ``n`` bytes of ``views``."""
+    for i, view in enumerate(views):
+        if n < len(view):
+            return [view[n:], *views[i + 1:]] if n else views[i:]
+        n -= len(view)
+    return []
 
 
 class PeerGone(Exception):
@@ -68,7 +67,18 @@ class FrameStream:
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.bytes_sent = 0
         self.bytes_received = 0
-        sock.settimeout(idle_timeout_s)
+        # A blocking socket whose deadlines are the kernel's (SO_RCVTIMEO/SO_SNDTIMEO): one
+        # call moves a whole payload (MSG_WAITALL), where Python's own timeouts would make the
+        # socket non-blocking and every call return what happens to be buffered.
+        sock.settimeout(None)
+        self.set_timeout(idle_timeout_s)
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long one send or receive may make no progress before the peer counts as gone."""
+        seconds = max(seconds, 1e-3)
+        value = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -89,7 +99,7 @@ class FrameStream:
                     self.sock.sendall(view)
             else:
                 while views:
-                    _advance(views, self.sock.sendmsg(views[:_IOV_MAX]))
+                    views = _advance(views, self.sock.sendmsg(views[:_IOV_MAX]))
         except (TimeoutError, OSError) as e:
             raise PeerGone(f"{self.peer}: send failed: {_why(e)}") from None
         self.bytes_sent += len(head) + sum(len(v) for v in payload)
@@ -127,10 +137,10 @@ class FrameStream:
                 if self.tls:  # SSL sockets have no recvmsg_into
                     got = self.sock.recv_into(pending[0])
                 else:
-                    got = self.sock.recvmsg_into(pending[:_IOV_MAX])[0]
+                    got = self.sock.recvmsg_into(pending[:_IOV_MAX], 0, socket.MSG_WAITALL)[0]
                 if not got:
                     raise PeerGone(f"{self.peer}: connection closed mid-frame")
-                _advance(pending, got)
+                pending = _advance(pending, got)
         except (TimeoutError, OSError) as e:
             raise PeerGone(f"{self.peer}: receive failed: {_why(e)}") from None
         self.bytes_received += total
@@ -160,7 +170,7 @@ class FrameStream:
         view = memoryview(buf)
         while got < n:
             try:
-                k = self.sock.recv_into(view[got:], n - got)
+                k = self.sock.recv_into(view[got:], n - got, 0 if self.tls else socket.MSG_WAITALL)
             except (TimeoutError, OSError) as e:
                 raise PeerGone(f"{self.peer}: receive failed: {_why(e)}") from None
             if not k:
@@ -199,7 +209,8 @@ def expect(stream: FrameStream, kinds: Sequence[int], what: str) -> tuple[int, b
 
 
 def _why(error: BaseException) -> str:
-    if isinstance(error, TimeoutError):
+    if isinstance(error, TimeoutError | BlockingIOError | ssl.SSLWantReadError
+                  | ssl.SSLWantWriteError):
         return "no progress within the idle deadline"
     return f"{type(error).__name__}: {error}"
 

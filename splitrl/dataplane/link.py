@@ -188,8 +188,7 @@ class PushLink:
         sent_all = True
         for chunk, payload in frames:
             if self.stream is not None:  # a send blocked past the deadline fails at it
-                self.stream.sock.settimeout(
-                    max(min(self.idle_timeout_s, deadline - time.monotonic()), 1e-3))
+                self.stream.set_timeout(min(self.idle_timeout_s, deadline - time.monotonic()))
             self.send_chunk(chunk, payload)
             if not self.open or time.monotonic() > deadline:
                 sent_all = False

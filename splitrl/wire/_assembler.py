@@ -32,9 +32,9 @@ class _Block:
 @dataclass
 class _Region:
     """A region being received: its bytes, in the region's C order, are ``runs`` of
-    ``run_bytes`` each at those byte offsets of ``flat`` (its block's buffer, where the region
-    is one or more contiguous runs, so chunks land in place; or its own buffer, copied into the
-    blocks it overlaps once complete)."""
+    ``run_bytes`` each at those byte offsets of ``flat`` (its block's buffer, so chunks land in
+    place; or, for a region spanning blocks, its own buffer, copied into the blocks it overlaps
+    once complete)."""
 
     start: tuple[int, ...]
     shape: tuple[int, ...]
@@ -52,13 +52,41 @@ class _Region:
     def bounds(self) -> Bounds:
         return tuple((s, s + n) for s, n in zip(self.start, self.shape, strict=True))
 
-    def segments(self, start: int, end: int) -> list[memoryview]:
-        """Writable views of the region's bytes [start, end), in order."""
-        step, view, out = self.run_bytes, memoryview(self.flat), []
-        for i in range(start // step, -(-end // step)) if end > start else ():
-            at = int(self.runs[i])
-            out.append(view[at + max(start - i * step, 0) : at + min(end - i * step, step)])
-        return out
+    def place(self, start: int, end: int) -> memoryview | None:
+        """The region's bytes [start, end) as one writable view, if they are contiguous."""
+        if end <= start:
+            return memoryview(self.flat[:0])
+        first, last = start // self.run_bytes, (end - 1) // self.run_bytes
+        if first != last:
+            return None
+        at = int(self.runs[first]) if len(self.runs) else 0
+        offset = start - first * self.run_bytes
+        return memoryview(self.flat[at + offset : at + offset + end - start])
+
+    def write(self, start: int, end: int, data: np.ndarray) -> None:
+        """Copy ``data`` (flat bytes) to the region's bytes [start, end): whole runs in one
+        strided numpy copy when the runs are evenly spaced (rows of a 2-D block)."""
+        step, runs = self.run_bytes, self.runs
+        if end <= start:
+            return
+        first, last = start // step, (end - 1) // step
+        spacing = np.diff(runs[first : last + 1])
+        if last - first < 2 or not (spacing == spacing[0]).all():
+            at = 0
+            for i in range(first, last + 1):
+                lo, hi = max(start - i * step, 0), min(end - i * step, step)
+                self.flat[runs[i] + lo : runs[i] + hi] = data[at : at + hi - lo]
+                at += hi - lo
+            return
+        rows = np.lib.stride_tricks.as_strided(
+            self.flat[runs[first]:], shape=(last - first + 1, step),
+            strides=(int(spacing[0]), 1), writeable=True)
+        head = start - first * step
+        rows[0, head:] = data[: step - head]
+        middle = (last - first - 1) * step
+        at = step - head
+        rows[1:-1] = data[at : at + middle].reshape(-1, step)
+        rows[-1, : end - last * step] = data[at + middle :]
 
 
 @dataclass
@@ -122,7 +150,8 @@ class _Pending:
     start: int
     end: int
     where: str
-    segments: list[memoryview]
+    view: memoryview  # where the bytes were received
+    scattered: bool  # ``view`` is scratch: copy into the region's runs on commit
 
 
 class ChunkAssembler:
@@ -131,10 +160,12 @@ class ChunkAssembler:
     ``expected`` is the receiver's manifest ``{name: (dtype name, shape)}``. ``tensor_count``
     and ``total_bytes`` come from the push header and are checked against it up front.
     ``blocks`` (``{name: [bounds per device shard]}``, default the whole tensor) is how the
-    receiver holds each tensor: bytes are assembled per block in 64-byte aligned buffers, and
-    a region inside one block (what a sender that cuts along the receiver's blocks sends) is
-    received straight into its place there, run by run, with no copy. ``base`` (a delta push)
-    returns the served tensor as a host array; only with it may chunks be deltas.
+    receiver holds each tensor: bytes are assembled per block in 64-byte aligned buffers, and a
+    chunk of a region inside one block (what a sender that cuts along the receiver's blocks
+    sends) is received straight into its place there when that is contiguous (rows, fsdp
+    shards in tensor-parallel row blocks), else into a reused scratch buffer and copied into
+    place in one strided copy (fsdp columns inside tensor-parallel column blocks). ``base`` (a
+    delta push) returns the served tensor as a host array; only with it may chunks be deltas.
     """
 
     def __init__(
@@ -170,6 +201,7 @@ class ChunkAssembler:
         self.payload_bytes = 0  # bytes on the wire (fewer than decoded for deltas)
         self.chunks_received = 0
         self._pending: _Pending | None = None
+        self._scratch: np.ndarray | None = None  # chunks whose place is not contiguous
 
     # -- the two ways in --------------------------------------------------------------------
 
@@ -178,10 +210,7 @@ class ChunkAssembler:
         returns the tensor's name if it is now complete."""
         payload = memoryview(chunk.data if payload is None else payload).cast("B")
         if chunk.encoding == _RAW:
-            at = 0
-            for segment in self.reserve(chunk, len(payload)):
-                segment[:] = payload[at : at + len(segment)]
-                at += len(segment)
+            self.reserve(chunk, len(payload))[:] = payload
             return self.commit()
         tensor, region, start, end, where = self._locate(chunk, len(payload))
         if self._base is None:
@@ -197,16 +226,14 @@ class ChunkAssembler:
         self.payload_bytes += len(payload)
         tensor.modified = tensor.modified or changed > 0
         self._verify(chunk, checksum(decoded), start, where)
-        at = 0
-        for segment in region.segments(start, end):
-            segment[:] = decoded[at : at + len(segment)]
-            at += len(segment)
+        region.write(start, end, decoded)
         return self._complete(chunk, tensor, region, start, end)
 
-    def reserve(self, chunk: tensor_pb2.TensorChunk, size: int) -> list[memoryview]:
-        """Check a RAW chunk of ``size`` bytes and return where its bytes go: writable views,
-        in order, of its place in the receiver's blocks. Receive them there (scatter), then
-        call :meth:`commit`."""
+    def reserve(self, chunk: tensor_pb2.TensorChunk, size: int) -> memoryview:
+        """Check a RAW chunk of ``size`` bytes and return where to receive its bytes: its place
+        in the receiver's block when that is contiguous (no copy at all), else a scratch buffer
+        whose bytes :meth:`commit` copies into place in one strided copy. Receive, then call
+        :meth:`commit` (before the next chunk)."""
         if chunk.encoding != _RAW:
             raise WireError(_INVALID, f"chunk #{self.chunks_received}: encoding "
                             f"{chunk.encoding} cannot be received in place; only RAW")
@@ -214,9 +241,14 @@ class ChunkAssembler:
             raise WireError(_INVALID, f"chunk #{self.chunks_received} for {chunk.name!r}: length "
                             f"is {chunk.length} for a RAW payload of {size} bytes")
         tensor, region, start, end, where = self._locate(chunk, size)
-        segments = region.segments(start, end)
-        self._pending = _Pending(chunk, tensor, region, start, end, where, segments)
-        return segments
+        view = region.place(start, end)
+        scattered = view is None
+        if scattered:
+            if self._scratch is None or len(self._scratch) < size:
+                self._scratch = np.empty(max(size, self.max_chunk_bytes), np.uint8)
+            view = memoryview(self._scratch[:size])
+        self._pending = _Pending(chunk, tensor, region, start, end, where, view, scattered)
+        return view
 
     def commit(self) -> str | None:
         """Verify the bytes received for the chunk :meth:`reserve` placed."""
@@ -225,10 +257,10 @@ class ChunkAssembler:
             raise RuntimeError("commit() without a reserve()")
         self.payload_bytes += pending.end - pending.start
         pending.tensor.modified = True
-        crc = 0
-        for segment in pending.segments:
-            crc = checksum(segment, crc)
-        self._verify(pending.chunk, crc, pending.start, pending.where)
+        self._verify(pending.chunk, checksum(pending.view), pending.start, pending.where)
+        if pending.scattered:
+            pending.region.write(pending.start, pending.end,
+                                 np.frombuffer(pending.view, np.uint8))
         return self._complete(pending.chunk, pending.tensor, pending.region, pending.start,
                               pending.end)
 

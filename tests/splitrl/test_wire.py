@@ -249,21 +249,36 @@ def test_regions_are_received_in_place_in_the_receivers_blocks(sender, receiver)
         _assert_bitwise_equal(array, w[tuple(slice(a, b) for a, b in bounds)])
 
 
-def test_reserve_hands_out_the_places_of_a_chunk_in_order():
+def test_reserve_receives_in_place_when_contiguous_else_in_scratch_copied_on_commit():
     w = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
     assembler = ChunkAssembler({"w": ("int32", (4, 6))}, version=1, max_chunk_bytes=64)
-    region = w[:, 3:]
-    chunk = next(wire.iter_region_chunks("w", region, shape=(4, 6), version=1,
-                                         max_chunk_bytes=64, region_start=(0, 3)))
-    views = assembler.reserve(chunk, len(chunk.data))
-    assert [len(v) for v in views] == [12, 12, 12, 12]  # half of each row of the tensor
-    data = memoryview(chunk.data)
-    for i, view in enumerate(views):
-        view[:] = data[12 * i : 12 * (i + 1)]
-    assert assembler.commit() is None
-    left = next(wire.iter_region_chunks("w", w[:, :3], shape=(4, 6), version=1,
+    rows = next(wire.iter_region_chunks("w", w[:2], shape=(4, 6), version=1,
                                         max_chunk_bytes=64, region_start=(0, 0)))
+    view = assembler.reserve(rows, len(rows.data))  # two whole rows: their own place
+    view[:] = rows.data
+    assert assembler.commit() is None
+    right = next(wire.iter_region_chunks("w", w[2:, 3:], shape=(4, 6), version=1,
+                                         max_chunk_bytes=64, region_start=(2, 3)))
+    scratch = assembler.reserve(right, len(right.data))  # half rows: not one run
+    scratch[:] = right.data
+    assert assembler.commit() is None
+    left = next(wire.iter_region_chunks("w", w[2:, :3], shape=(4, 6), version=1,
+                                        max_chunk_bytes=64, region_start=(2, 0)))
     assert assembler.add(left) == "w"
+    _assert_bitwise_equal(assembler.pop("w"), w)
+
+
+def test_strided_writes_cover_partial_first_and_last_runs():
+    w = np.arange(12 * 10, dtype=np.float32).reshape(12, 10)
+    # Column region [2, 7) of every row, in chunks that start and end mid-row.
+    chunks = list(wire.iter_region_chunks("w", w[:, 2:7], shape=w.shape, version=1,
+                                          max_chunk_bytes=28, region_start=(0, 2)))
+    chunks += list(wire.iter_region_chunks("w", w[:, :2], shape=w.shape, version=1,
+                                           max_chunk_bytes=28, region_start=(0, 0)))
+    chunks += list(wire.iter_region_chunks("w", w[:, 7:], shape=w.shape, version=1,
+                                           max_chunk_bytes=28, region_start=(0, 7)))
+    assembler = ChunkAssembler({"w": ("float32", w.shape)}, version=1, max_chunk_bytes=28)
+    assert [assembler.add(c) for c in chunks][-1] == "w"
     _assert_bitwise_equal(assembler.pop("w"), w)
 
 
