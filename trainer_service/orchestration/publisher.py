@@ -288,7 +288,7 @@ class WeightPublisher:
                 params, version, max_chunk_bytes=min(h.info.max_chunk_bytes for h in chain),
                 target_shardings=layouts, base=base.block if use_delta else None,
                 sink=base.keep if base is not None else None)
-            link = PushLink([h.info.data_address for h in chain], header, auth=self.auth,
+            link = PushLink([_data_address(h) for h in chain], header, auth=self.auth,
                             idle_timeout_s=self.config.idle_timeout_s)
             outcomes, sent_all = link.run(frames, deadline=deadline)
             if sent_all and base is not None:
@@ -332,6 +332,15 @@ class WeightPublisher:
         return handle, PushResult(handle.address, reply.version, True, reply.bytes_received,
                                   time.monotonic() - start, egress_bytes=reply.bytes_received,
                                   full_bytes=first.header.total_bytes, transport="grpc"), False
+
+
+def _data_address(handle: SamplerHandle) -> str:
+    """Where to reach ``handle``'s data plane: the host we reach its gRPC server at (a pod IP
+    from DNS, a compose service name) and the port it advertises; its own idea of its host
+    name may not resolve from here."""
+    host = handle.address.rpartition(":")[0]
+    port = handle.info.data_address.rpartition(":")[2]
+    return f"{host}:{port}"
 
 
 def _chain(*iterables):
