@@ -31,7 +31,7 @@ FAST = ("trainer.eval_before=false", "trainer.eval_after=false")
 
 def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path):
     run_dir = tmp_path / "run"
-    # Long enough that the newcomer (tens of seconds to start and compile) joins mid-run.
+    # The newcomer joins mid-run: the trainer is paused while it starts (see below).
     steps, per_step = 150, 8
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
                      f"trainer.prompts_per_step={per_step}", "trainer.checkpoint.every=1000",
@@ -44,7 +44,15 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
         # A sampler started mid-run registers itself, receives the weights, then gets work.
-        newcomer = launcher.start_sampler(2)
+        # The trainer is paused while the newcomer starts (tens of seconds of imports and
+        # compilation), so the run cannot end before it is up, however loaded the machine.
+        trainer = launcher.procs["trainer"]
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            newcomer = launcher.start_sampler(2)
+            launcher.wait_healthy("sampler-2", newcomer)
+        finally:
+            trainer.send_signal(signal.SIGCONT)
 
         def newcomer_ready():
             try:
