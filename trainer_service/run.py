@@ -52,6 +52,7 @@ from trainer_service.orchestration.dispatcher import Dispatcher
 from trainer_service.orchestration.evaluation import accuracy_function, evaluate
 from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
 from trainer_service.orchestration.publisher import WeightPublisher
+from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
 from trainer_service.orchestration.rollouts import RolloutBuffer, RolloutGroup, WorkItem
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ class TrainerRun:
         cfg, tcfg = self.cfg, self.cfg.trainer
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.data = PromptStream.from_config(tcfg.data, tokenizer=self.tokenizer)
+        self.data = PromptStream.for_run(cfg, tokenizer=self.tokenizer)
+        self.reward_checks = RewardChecks.from_config(cfg.reward)
         self.pool = SamplerPool(
             cfg.services,
             max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
@@ -266,6 +268,11 @@ class TrainerRun:
             while_waiting=self._feed,
         )
         t_rollouts = time.monotonic()
+        try:  # failing reward functions: logged, counted, and past the policy the run stops
+            reward_metrics = self.reward_checks.observe(groups)
+        except RewardFunctionFailed as e:
+            self._write_metrics({"step": self.step + 1, "version": self.version, **e.metrics})
+            raise
         group_metrics = self._group_metrics(groups)  # staleness against the version used
         batch = build_train_batch(groups, self.cfg.algorithm, pad_id=self.pad_id)
         self.hosts.train(batch)  # multi-host: every process trains on this batch
@@ -284,6 +291,8 @@ class TrainerRun:
         self._feed()  # next step's prompts go out while we checkpoint and log
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
         metrics.update(group_metrics)
+        metrics.update(reward_metrics)
+        metrics.update(self.data.length_metrics())
         metrics.update({
             "time/wait_rollouts_s": t_rollouts - t0,
             "time/train_s": t_train - t_rollouts,

@@ -1,7 +1,7 @@
 """Prompt tasks by name: `arithmetic` (synthetic), `gsm8k`, `math500`, `files` (any dataset).
 
     task = get_task("gsm8k", instruction="boxed")
-    rows = task.rows("test")          # [{prompt_id, prompt | messages, reference, metadata}]
+    rows = task.rows("test")          # [{prompt_id, prompt | messages, reference, columns}]
     task.reward_functions             # the reward config it is meant to be scored with
 """
 

@@ -6,7 +6,10 @@ A task turns a dataset split into prompt rows::
      "prompt": "Natalia sold clips ...",     # plain text, or None when the row has messages
      "messages": None,                       # or [{"role": "user", "content": ...}, ...]
      "reference": "72",                      # what the reward functions compare against
-     "metadata": {"task": "gsm8k", ...}}     # str -> str (it travels in a protobuf map)
+     "columns": {"answer": "Natalia ..."}}   # the dataset's other columns, with their types
+
+`columns` reach every reward function as keyword arguments (one value per completion), the
+way TRL passes a dataset's columns; they travel as JSON, so a value keeps its JSON type.
 """
 
 from __future__ import annotations
@@ -163,9 +166,9 @@ def _looks_like_hub_name(text: str) -> bool:
             and Path(text).suffix not in _FILE_FORMATS)
 
 
-def make_row(prompt_id: str, reference: str, metadata: dict[str, Any], *,
+def make_row(prompt_id: str, reference: str, columns: dict[str, Any], *,
              prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> Row:
     if (prompt is None) == (messages is None):
         raise ValueError(f"row {prompt_id}: expected exactly one of prompt and messages")
     return {"prompt_id": prompt_id, "prompt": prompt, "messages": messages,
-            "reference": reference, "metadata": {k: str(v) for k, v in metadata.items()}}
+            "reference": reference, "columns": dict(columns)}

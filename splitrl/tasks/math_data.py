@@ -33,6 +33,12 @@ def parse_gsm8k_answer(answer: str) -> str:
     return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
+def _columns(record: dict, prompt_column: str) -> dict:
+    """The record's columns but the prompt's (GSM8K: `answer`, the worked solution; MATH-500:
+    `solution`, `answer`, `subject`, `level`, `unique_id`)."""
+    return {k: v for k, v in record.items() if k != prompt_column}
+
+
 def _with_instruction(problem: str, instruction: str | None) -> str:
     if not instruction:
         return problem
@@ -71,7 +77,7 @@ class GSM8KTask(_FileTask):
 
     def _row(self, split: str, index: int, record: dict) -> Row:
         return make_row(f"gsm8k-{split}-{index}", parse_gsm8k_answer(record["answer"]),
-                        {"task": "gsm8k", "split": split, "index": index},
+                        _columns(record, "question"),
                         prompt=_with_instruction(record["question"], self.instruction))
 
 
@@ -81,7 +87,6 @@ class Math500Task(_FileTask):
     file_splits = ("test",)
 
     def _row(self, split: str, index: int, record: dict) -> Row:
-        meta = {"task": "math500", "split": split, "index": index}
-        meta.update({k: record[k] for k in ("subject", "level", "unique_id") if k in record})
-        return make_row(f"math500-{split}-{index}", str(record["answer"]).strip(), meta,
+        return make_row(f"math500-{split}-{index}", str(record["answer"]).strip(),
+                        _columns(record, "problem"),
                         prompt=_with_instruction(record["problem"], self.instruction))

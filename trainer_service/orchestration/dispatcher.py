@@ -21,6 +21,7 @@ from collections.abc import Callable
 import grpc
 
 from splitrl.config import SamplingConfig
+from splitrl.reward_protocol import encode_columns
 from splitrl.v1 import common_pb2, sampler_pb2
 from trainer_service.orchestration.membership import READY, SamplerHandle, SamplerPool
 from trainer_service.orchestration.rollouts import Completion, RolloutBuffer, RolloutGroup, WorkItem
@@ -46,7 +47,7 @@ def prompt_message(uid: str, row: dict) -> common_pb2.Prompt:
     prompt = common_pb2.Prompt(
         prompt_id=uid,
         reference=str(row.get("reference", "")),
-        metadata={str(k): str(v) for k, v in (row.get("metadata") or {}).items()},
+        columns_json=encode_columns(row.get("columns")),  # typed, for the reward functions
     )
     if row.get("messages"):
         for m in row["messages"]:
@@ -70,6 +71,7 @@ def group_from_wire(item: WorkItem, msg: sampler_pb2.ScoredGroup) -> RolloutGrou
                 rewards=dict(c.rewards),
                 finish_reason=c.finish_reason,
                 text=c.text,
+                reasons=dict(c.reward_reasons),
             )
             for c in msg.completions
         ],

@@ -43,6 +43,9 @@ class Completion:
     rewards: dict[str, float]
     finish_reason: str
     text: str = ""
+    # Per reward function, why it scored what it did: "timeout", "error: ...", "no score
+    # (None)" or the function's own explanation (splitrl.reward_protocol.classify_reason).
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
