@@ -90,6 +90,13 @@ def builtin_names() -> list[str]:
     return sorted(_BUILTINS)
 
 
+def builtin_options(name: str) -> dict[str, Any]:
+    """A built-in's options and their defaults (``inspect.Parameter.empty`` if required)."""
+    _load_builtins()
+    params = inspect.signature(_BUILTINS[name].factory).parameters.values()
+    return {p.name: p.default for p in params}
+
+
 def _load_builtins() -> None:
     # The built-in modules register themselves on import.
     from reward_service import functions, math_accuracy  # noqa: F401

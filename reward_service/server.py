@@ -14,7 +14,6 @@ replacement characters.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 
 import grpc
@@ -151,13 +150,12 @@ def main(config: Config) -> int:
     """``splitrl reward``: serve until SIGTERM/SIGINT, then finish in-flight calls and exit.
 
     A function that cannot be loaded (a typo in a module name, an import error, bad options)
-    stops the service at start with exit code 2 and the reason on stderr."""
+    stops the service at start with exit code 2 and the reason logged (stderr)."""
     configure_logging("reward", config.run_name)
     try:
         server, scorer = serve(config)
     except (ValueError, RuntimeError) as e:
-        log.error("reward service cannot start: %s", e)
-        print(f"splitrl reward: cannot start: {e}", file=sys.stderr, flush=True)
+        log.error("reward service cannot start: %s", e)  # on stderr, one JSON line
         return 2
     start_metrics_server(config.services.metrics_port)
     log.info("reward service ready", extra={

@@ -152,8 +152,7 @@ def main(cfg: Config) -> int:
     try:
         run = TrainerRun(cfg)
     except (ValueError, FileNotFoundError) as e:  # the data or the model cannot be used
-        log.error("trainer cannot start: %s", e)
-        print(f"splitrl trainer: cannot start: {e}", file=sys.stderr, flush=True)
+        log.error("trainer cannot start: %s", e)  # on stderr, one JSON line
         return 2
     leader = run.hosts.is_leader
     servicer = TrainerServicer(run) if leader else FollowerServicer(run.hosts.index)
@@ -187,8 +186,7 @@ def main(cfg: Config) -> int:
 
     try:
         summary = run.run(progress=progress if leader else None)
-    except RewardFunctionFailed as e:
-        print(f"splitrl trainer: {e}", file=sys.stderr, flush=True)
+    except RewardFunctionFailed:  # logged where it was raised, with the reasons
         return 3
     finally:
         if bar is not None:

@@ -22,6 +22,9 @@ EVAL_SPLITS = ("test", "eval", "validation")
 
 @register_task("arithmetic")
 class ArithmeticTask(Task):
+    """Single-digit addition `a+b=` (synthetic; a random tiny model learns it on CPU).
+    Columns: a, b."""
+
     reward_functions = ({"name": "exact_answer", "weight": 1.0, "options": {}},)
 
     def __init__(self, max_operand: int = 4, min_operand: int = 0, seed: int = 0,

@@ -75,6 +75,22 @@ def list_tasks() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def describe_task(name: str) -> dict[str, Any]:
+    """What `splitrl list tasks` shows: description, options with defaults, splits (those of
+    the default instance; "" when they depend on the path) and recommended reward functions."""
+    cls = _REGISTRY.get(name)
+    params = inspect.signature(cls.__init__).parameters.values()
+    options = {p.name: (None if p.default is p.empty else p.default) for p in params
+               if p.name != "self"}
+    try:
+        splits = list(cls().splits)
+    except (ValueError, TypeError):
+        splits = []
+    return {"name": name, "description": " ".join((inspect.getdoc(cls) or "").split()),
+            "options": options, "splits": splits,
+            "reward_functions": [f["name"] for f in cls.reward_functions]}
+
+
 def get_task(name: str, **options: Any) -> Task:
     """The task `name` built with `options`; an unknown task or option is a ValueError naming
     it and listing what exists."""

@@ -22,6 +22,10 @@ REFERENCE_FORMATS = ("raw", "gsm8k")
 
 @register_task("files")
 class FilesTask(Task):
+    """Any dataset: local json/jsonl/parquet/csv files (a file, or a folder of <split> files)
+    or a hub dataset name; prompt_field and answer_field name its columns. Columns: every other
+    column of the data."""
+
     reward_functions = MATH_REWARDS
 
     def __init__(self, path: str | os.PathLike | None = None, prompt_field: str = "question",

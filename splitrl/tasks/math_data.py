@@ -72,6 +72,9 @@ class _FileTask(Task):
 
 @register_task("gsm8k")
 class GSM8KTask(_FileTask):
+    """GSM8K grade-school math (../shared/data/gsm8k); the reference is the number after
+    `####`. Columns: answer (the worked solution)."""
+
     default_dir = "gsm8k"
     file_splits = ("train", "test")
 
@@ -83,6 +86,9 @@ class GSM8KTask(_FileTask):
 
 @register_task("math500")
 class Math500Task(_FileTask):
+    """MATH-500 competition math (../shared/data/math500; test split only); the reference is
+    the answer field. Columns: solution, answer, subject, level, unique_id."""
+
     default_dir = "math500"
     file_splits = ("test",)
 
