@@ -151,7 +151,7 @@ class AlgorithmConfig:
     """The RL objective. Every GRPO-family variant is a combination of these switches."""
 
     loss: Literal["grpo", "gspo", "gspo-token"] = "grpo"
-    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     advantage_std: Literal["group", "batch"] = "group"
     aggregation: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"
