@@ -48,7 +48,7 @@ def classify_reason(reason: str) -> Outcome:
     return "ok"
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """``value`` with everything JSON cannot hold turned into its ``str`` (numpy scalars and
     arrays into numbers and lists; NaN and infinities into strings, which JSON lacks)."""
     if value is None or isinstance(value, (bool, int, str)):
@@ -56,12 +56,12 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     tolist = getattr(value, "tolist", None)  # numpy scalars and arrays
     if callable(tolist):
-        return _jsonable(tolist())
+        return jsonable(tolist())
     return str(value)
 
 
@@ -69,7 +69,7 @@ def encode_columns(columns: dict[str, Any] | None) -> str:
     """The JSON carried in ``columns_json`` ("" for no columns)."""
     if not columns:
         return ""
-    return json.dumps(_jsonable(columns), ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(jsonable(columns), ensure_ascii=False, separators=(",", ":"))
 
 
 def decode_columns(text: str, where: str = "columns_json") -> dict[str, Any]:

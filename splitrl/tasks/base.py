@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from splitrl.registry import Registry
+from splitrl.reward_protocol import jsonable
 
 Row = dict[str, Any]
 
@@ -186,5 +187,7 @@ def make_row(prompt_id: str, reference: str, columns: dict[str, Any], *,
              prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> Row:
     if (prompt is None) == (messages is None):
         raise ValueError(f"row {prompt_id}: expected exactly one of prompt and messages")
+    # JSON-safe from the start: rows travel as JSON (to the samplers, and in checkpoints with
+    # the prompts not yet trained on), so a date or a numpy value becomes a string or a number.
     return {"prompt_id": prompt_id, "prompt": prompt, "messages": messages,
-            "reference": reference, "columns": dict(columns)}
+            "reference": reference, "columns": jsonable(dict(columns))}

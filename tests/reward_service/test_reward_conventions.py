@@ -217,3 +217,9 @@ def test_direct_calls_take_our_convention_whatever_the_style():
               ground_truth=["2", "2"]) == [1.0, 0.0]
     assert TrainerState(3).global_step == 3
     assert common_pb2.Prompt(columns_json="{}").columns_json == "{}"
+
+
+def test_options_a_function_does_not_take_fail_at_load():
+    with pytest.raises(ValueError, match="bad options .*takes no argument 'bogus'"):
+        resolve(P + "completion_length", {"bogus": 1})
+    assert resolve(P + "completion_length", {"scale": 2.0})(["p"], ["abc"], [""]) == [6.0]
