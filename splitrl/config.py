@@ -93,6 +93,8 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 8
     stop_token_ids: list[int] = field(default_factory=list)
+    # Seed of requests whose prompts carry no seed of their own (Generate, evaluation tools).
+    # Training rollouts draw their noise from trainer.seed and each prompt's uid.
     seed: int = 0
 
     def __post_init__(self):
@@ -127,6 +129,9 @@ class RewardConfig:
     # Address-space limit per scoring worker (MiB; None = unlimited): a runaway computation
     # fails with MemoryError instead of exhausting the host.
     worker_memory_mb: int | None = 4096
+    # The function whose score measures correctness: evaluation accuracy and the training
+    # accuracy/mean metric are its mean score. None: the first of ``functions``.
+    accuracy_function: str | None = None
     # The trainer's error policy (docs/rewards.md): the run stops when a function fails (raises,
     # returns the wrong number of scores or a non-number, times out) on more than this fraction
     # of a step's completions; on the run's first batch, errors are held to
@@ -135,6 +140,10 @@ class RewardConfig:
     first_batch_max_error_fraction: float = 0.0
 
     def __post_init__(self):
+        names = [f.name for f in self.functions]
+        if self.accuracy_function is not None and self.accuracy_function not in names:
+            raise ConfigError(f"reward.accuracy_function: expected one of the configured "
+                              f"functions {names}, got {self.accuracy_function!r}")
         for key in ("max_error_fraction", "first_batch_max_error_fraction"):
             value = getattr(self, key)
             if not 0.0 <= value <= 1.0:
@@ -165,13 +174,19 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     tis_cap: float | None = 2.0
     logratio_clamp: float = 20.0
+    # DAPO's dynamic sampling: groups whose rewards are all equal are not trained on; the
+    # trainer draws more prompts until a step has prompts_per_step groups with signal, at most
+    # max_extra_draws more per step (None: 3 x prompts_per_step), then trains on what it has.
     filter_zero_variance: bool = False
+    max_extra_draws: int | None = None
     entropy_coef: float = 0.0
     group_size: int = 16
 
     def __post_init__(self):
         _check_positive("algorithm.beta", self.beta, allow_zero=True)
         _check_positive("algorithm.group_size", self.group_size)
+        _check_positive("algorithm.max_extra_draws", self.max_extra_draws, allow_zero=True)
+        _check_positive("algorithm.constant_normalizer", self.constant_normalizer)
         _check_positive("algorithm.eps_low", self.eps_low, allow_zero=True)
         _check_positive("algorithm.eps_high", self.eps_high, allow_zero=True)
         _check_positive("algorithm.tis_cap", self.tis_cap)
@@ -285,7 +300,14 @@ class TrainerConfig:
     micro_batch_size: int | None = None
     epochs_per_batch: int = 1
     max_staleness: int = 0
+    # Prompts per Rollout request. In a synchronous run (max_staleness 0) a step's prompts are
+    # cut into requests of this size in draw order, so the run is the same whichever sampler
+    # answers first and however many samplers there are. None: half a step, at most one
+    # sampler batch (sampler.max_batch_size // group_size). Asynchronous runs fill each
+    # sampler up to its capacity instead.
+    prompts_per_request: int | None = None
     push_every: int = 1
+    # The run's seed: with the prompt's uid it makes the noise of every completion.
     seed: int = 0
     run_dir: str = "runs/latest"
     eval_before: bool = True
@@ -304,6 +326,12 @@ class TrainerConfig:
         _check_positive("trainer.epochs_per_batch", self.epochs_per_batch)
         _check_positive("trainer.max_staleness", self.max_staleness, allow_zero=True)
         _check_positive("trainer.push_every", self.push_every)
+        _check_positive("trainer.prompts_per_request", self.prompts_per_request)
+        if self.push_every > self.max_staleness + 1:
+            raise ConfigError(
+                f"trainer.push_every: samplers must get new weights at least every "
+                f"max_staleness + 1 = {self.max_staleness + 1} steps, or no sampler may "
+                f"generate the next step's rollouts; got {self.push_every}")
         evals = [key for key in ("eval_before", "eval_after") if getattr(self, key)]
         if evals and self.data.eval_split is None:
             raise ConfigError(

@@ -50,13 +50,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def Status(self, request, context):
         status = self.run.status
         now = time.monotonic()
+        inflight = self.run.queue.inflight_by_sampler()
         samplers = [
             trainer_pb2.SamplerStatus(
                 sampler_id=h.sampler_id,
                 address=h.address,
                 weight_version=h.weight_version,
                 healthy=h.state == "ready",
-                inflight_prompts=h.inflight,
+                inflight_prompts=inflight.get(h.address, 0),
                 last_seen_s=now - h.last_ok,
             )
             for h in self.run.pool.all()

@@ -95,9 +95,11 @@ class RewardChecks:
     def observe(self, groups: Sequence[RolloutGroup]) -> dict[str, float]:
         """The batch's reward metrics; raises :class:`RewardFunctionFailed` past the policy's
         thresholds. Call once per batch, before training on it."""
+        tallies = self.tally(groups)
+        if not any(t.completions for t in tallies.values()):
+            return {}  # an empty step (everything filtered) is not the first batch
         first = self.batches == 0
         self.batches += 1
-        tallies = self.tally(groups)
         metrics: dict[str, float] = {}
         stops = []
         for name, t in tallies.items():
