@@ -76,7 +76,8 @@ def test_one_over_long_row_under_each_length_policy(arith_model, tmp_path, capsy
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}", "trainer.data.task=files",
                      f"trainer.data.path={data / 'train.jsonl'}", "trainer.data.eval_split=null",
                      f"trainer.data.long_prompt_policy={policy}",
-                     "reward.functions=[{name: 'e2e_rewards:sum_of_columns'}]", *SHORT)
+                     "reward.functions=[{name: 'e2e_rewards:sum_of_columns'}]",
+                     "reward.accuracy_function=e2e_rewards:sum_of_columns", *SHORT)
     code = launcher.main(cfg)
     console = capsys.readouterr()
     if policy == "error":

@@ -87,7 +87,8 @@ def test_bad_data_fails_before_any_service_starts(model_dir, tmp_path, capsys, o
 
 def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(model_dir, tmp_path,
                                                                      capsys):
-    cfg = config(model_dir, tmp_path / "run", "reward.functions=[{name: 'my_rewardz:think'}]")
+    cfg = config(model_dir, tmp_path / "run", "reward.functions=[{name: 'my_rewardz:think'}]",
+                 "reward.accuracy_function=null")
     assert launcher.main(cfg) != 0
     captured = capsys.readouterr()
     assert "reward exited with code 2" in captured.err
