@@ -154,6 +154,16 @@ class Launcher:
                 proc.kill()
                 proc.wait()
 
+    def reward_functions(self) -> list[str]:
+        """The reward service's functions as "name (style style)": what it loaded, and how it
+        will call each one."""
+        from splitrl.v1 import reward_pb2, reward_pb2_grpc
+
+        with make_channel(self.reward_address, auth=self.cfg.services.auth) as channel:
+            reply = reward_pb2_grpc.RewardStub(channel).ListRewardFunctions(
+                reward_pb2.ListRewardFunctionsRequest(), timeout=5.0)
+        return [f"{f.name} ({f.style} style, weight {f.weight:g})" for f in reply.functions]
+
     def status(self):
         from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -249,6 +259,7 @@ def main(cfg: Config) -> int:
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         launcher.up()
+        print("reward functions: " + "; ".join(launcher.reward_functions()), flush=True)
         code = launcher.watch()
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the run (the trainer checkpoints what it has)", flush=True)

@@ -49,6 +49,7 @@ def test_raising_wrong_length_and_non_number_functions_stop_the_run(arith_model,
             name, text[-3000:])
         assert message in text, (name, text[-3000:])
     assert "stopping the run" in text and "first batch" in text
+    assert "e2e_rewards:too_few (trl style, weight 1)" in console.out  # the detected style
     last = metrics(run_dir)[-1]
     for name in ("think_format", "too_few", "not_a_number"):
         assert last[f"reward/e2e_rewards:{name}/errors"] == 32.0
