@@ -50,6 +50,7 @@ from trainer_service.learning.multihost import HostGroup, follow, host_model
 from trainer_service.orchestration.evaluation import accuracy_function, eval_items, eval_metrics
 from trainer_service.orchestration.membership import SamplerHandle
 from trainer_service.orchestration.parts import build_leader_parts
+from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
 from trainer_service.orchestration.rollouts import (
     EVAL,
     TRAIN,
@@ -117,6 +118,7 @@ class TrainerRun:
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)
+            self.reward_checks = RewardChecks.from_config(cfg.reward)
             self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         self._restore()
 
@@ -127,6 +129,13 @@ class TrainerRun:
         collected = self._collect(self.cfg.trainer.prompts_per_step)
         t_rollouts = time.monotonic()
         metrics = self._rollout_metrics(collected)
+        try:  # failing reward functions: logged, counted, and past the policy the run stops
+            metrics.update(self.reward_checks.observe(collected.groups))
+        except RewardFunctionFailed as e:
+            self._write_metrics({"step": self.step + 1, "version": self.version, **metrics,
+                                 **e.metrics})
+            raise
+        metrics.update(self.data.length_metrics())
         if collected.groups:
             batch = build_train_batch(collected.groups, self.cfg.algorithm, pad_id=self.pad_id)
             metrics.update(self._update(batch))

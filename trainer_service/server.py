@@ -147,9 +147,14 @@ def main(cfg: Config) -> int:
         maybe_initialize = None
     if maybe_initialize is not None:
         maybe_initialize(cfg)
+    from trainer_service.orchestration.reward_checks import RewardFunctionFailed
     from trainer_service.run import TrainerRun
 
-    run = TrainerRun(cfg)
+    try:
+        run = TrainerRun(cfg)
+    except (ValueError, FileNotFoundError) as e:  # the data or the model cannot be used
+        log.error("trainer cannot start: %s", e)  # on stderr, one JSON line
+        return 2
     leader = run.hosts.is_leader
     servicer = TrainerServicer(run) if leader else FollowerServicer(run.hosts.index)
     port = cfg.services.trainer_address.rsplit(":", 1)[1]
@@ -182,6 +187,8 @@ def main(cfg: Config) -> int:
 
     try:
         summary = run.run(progress=progress if leader else None)
+    except RewardFunctionFailed:  # logged where it was raised, with the reasons
+        return 3
     finally:
         if bar is not None:
             bar.close()

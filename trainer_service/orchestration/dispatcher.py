@@ -28,6 +28,7 @@ import time
 import grpc
 
 from splitrl.config import SamplingConfig
+from splitrl.reward_protocol import encode_columns
 from splitrl.v1 import common_pb2, sampler_pb2
 from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
 from trainer_service.orchestration.queue import Claim, Failure, RolloutQueue
@@ -57,7 +58,7 @@ def prompt_message(item: WorkItem) -> common_pb2.Prompt:
     prompt = common_pb2.Prompt(
         prompt_id=item.uid,
         reference=str(row.get("reference", "")),
-        metadata={str(k): str(v) for k, v in (row.get("metadata") or {}).items()},
+        columns_json=encode_columns(row.get("columns")),  # typed, for the reward functions
         seed=item.seed,
         has_seed=True,
     )

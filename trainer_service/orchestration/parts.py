@@ -65,7 +65,7 @@ class LeaderParts:
 def build_leader_parts(cfg: Config, *, tokenizer, metadata: tuple, run_dir,
                        sync_new_sampler: Callable[[SamplerHandle], None]) -> LeaderParts:
     """``sync_new_sampler(handle)`` pushes the current weights to a sampler that just joined."""
-    data = PromptStream.from_config(cfg.trainer.data, tokenizer=tokenizer)
+    data = PromptStream.for_run(cfg, tokenizer=tokenizer)  # long prompts handled here
     queue = RolloutQueue(lanes(cfg))
     pool = SamplerPool(cfg.services,
                        max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),

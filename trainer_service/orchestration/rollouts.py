@@ -60,7 +60,8 @@ class Completion:
     rewards: dict[str, float]
     finish_reason: str
     text: str = ""
-    # Why a function scored what it did when there is something to say ("error: ...").
+    # Per reward function, why it scored what it did: "timeout", "error: ...", "no score
+    # (None)" or the function's own explanation (splitrl.reward_protocol.classify_reason).
     reasons: dict[str, str] = field(default_factory=dict)
     # The weight versions it was generated under, oldest first (several when the sampler
     # applied a push between its tokens).
