@@ -249,6 +249,10 @@ class SamplerPool:
             self._forget(handle, f"the same sampler process as {twin.address}")
             return
         with self._lock:
+            restarted = (handle.info is not None and info.instance_id
+                         and handle.info.instance_id != info.instance_id)
+            if restarted:  # a new process at the same address: it holds none of our weights
+                handle.state = NEW
             handle.info = info
             handle.sampler_id = info.sampler_id or handle.sampler_id
             handle.last_ok = time.monotonic()
@@ -262,7 +266,8 @@ class SamplerPool:
             elif handle.state == SUSPECT:
                 handle.state = READY
         if joined:
-            log.info("sampler joined", extra={"address": handle.address, "id": info.sampler_id})
+            log.info("sampler joined", extra={"address": handle.address, "id": info.sampler_id,
+                                              "restarted": bool(restarted)})
             self._on_join(handle)
 
     def refresh(self) -> None:
