@@ -30,6 +30,7 @@ import queue
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.worker = worker
         self.address = address
         self.data_address = ""
+        self.instance_id = uuid.uuid4().hex  # this process, whatever address reaches it
         metrics.WEIGHT_VERSION.set(weights.version)
 
     @property
@@ -95,6 +97,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             max_sequence_length=self.worker.max_sequence_length,
             max_chunk_bytes=self.weights.max_chunk_bytes,
             address=self.address,
+            instance_id=self.instance_id,
             data_address=self.data_address,
             weights_id=self.weights.weights_id,
         )
