@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The compose stack for real, on this machine, start to finish (not part of `make test`):
 #
-#   1. builds a Debian base image from Debian's packages (mmdebstrap + docker import: no registry)
-#      and an image holding the host's CA bundle, which only the build stage reads;
+#   1. builds a Debian base image from Debian's packages (mmdebstrap + docker import: no registry;
+#      once: an existing one is reused unless --rebuild-base, since a new base invalidates the
+#      image's whole build cache) and an image holding the host's CA bundle, which only the build
+#      stage reads;
 #   2. builds the SplitRL image from deploy/Dockerfile (host network, so pip reaches PyPI);
 #   3. run "demo": deploy/compose.yaml as is (2 samplers); the trainer must finish, print greedy
 #      accuracy before -> after, export the model into the `runs` volume and train every drawn
 #      prompt exactly once, and every service must report SERVING through gRPC health;
 #   4. run "faults": --scale sampler=3; all three get work; one sampler container is killed
-#      mid-run (no prompt may be lost); the trainer container is restarted mid-run and must
-#      resume from the step it checkpointed;
+#      mid-run while it holds prompts (no prompt may be lost); the trainer container is
+#      restarted mid-run and must resume from the step it checkpointed;
 #   5. removes the project's containers, volumes and network (on failure too). Images stay.
 #
-# Usage: deploy/smoke.sh [--demo-steps N] [--fault-steps N] [--reuse-base] [--skip-build]
+# Usage: deploy/smoke.sh [--demo-steps N] [--fault-steps N] [--rebuild-base] [--skip-build]
 #                        [--only demo|faults] [--compose "docker-compose"]
 # Needs: a running Docker engine, Compose v2 (`docker compose`) or docker-compose 1.29,
-# mmdebstrap (unless --reuse-base or SPLITRL_BASE_IMAGE names an existing image) and python3.
+# mmdebstrap (unless the base image exists) and python3.
 # All traffic stays on this machine: the containers talk on the project's own network.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 DEMO_STEPS=150       # the `make demo` run, as deploy/config/splitrl.yaml says
 FAULT_STEPS=60
 CHECKPOINT_EVERY=5   # the faults run: checkpoints close together
-REUSE_BASE=0
+REBUILD_BASE=0
 BUILD=1
 ONLY=""
 COMPOSE_CMD=""
@@ -31,11 +33,11 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --demo-steps) DEMO_STEPS=$2; shift 2 ;;
     --fault-steps) FAULT_STEPS=$2; shift 2 ;;
-    --reuse-base) REUSE_BASE=1; shift ;;
+    --rebuild-base) REBUILD_BASE=1; shift ;;
     --skip-build) BUILD=0; shift ;;
     --only) ONLY=$2; shift 2 ;;
     --compose) COMPOSE_CMD=$2; shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -74,7 +76,7 @@ trap cleanup EXIT
 note "compose: $("${COMPOSE_ARGV[@]}" version | head -1); engine: $(docker version -f '{{.Server.Version}}'); load: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # -- 1. the local base and the CA image --------------------------------------------------------
-if [ "$REUSE_BASE" = 1 ] && docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+if [ "$REBUILD_BASE" = 0 ] && docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
   log "reusing base image $BASE_IMAGE"
 else
   command -v mmdebstrap >/dev/null || die "mmdebstrap is not installed (apt-get install -y mmdebstrap)"
@@ -164,6 +166,16 @@ report_health() {  # every running service container: docker's health state + `s
   done
 }
 
+inflight() {  # trainer-id sampler-ip: prompts the trainer has in flight on that sampler
+  docker exec "$1" python -c '
+import sys, grpc
+from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
+stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel("127.0.0.1:50200"))
+reply = stub.Status(trainer_pb2.StatusRequest(), timeout=5)
+print(sum(s.inflight_prompts for s in reply.samplers if s.address.rsplit(":", 1)[0] == sys.argv[1]))
+' "$2" 2>/dev/null || echo 0
+}
+
 sampler_map() {  # NAME<TAB>IP of every sampler container, while they run
   compose ps -q sampler | xargs -r docker inspect \
     -f '{{.Name}}{{"\t"}}{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' > "$WORK/samplers.tsv"
@@ -222,10 +234,21 @@ if [ -z "$ONLY" ] || [ "$ONLY" = faults ]; then
   sampler_map
   report_health
   victim=$(container sampler 3)
+  victim_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$victim")
   kill_at=$(( FAULT_STEPS / 3 ))
   wait_for_step "$trainer" "$kill_at" 1800
+  # Kill it while it holds prompts: freeze it (docker pause), ask the trainer's Status RPC what
+  # it has in flight there, thaw and retry until that is some, then kill the frozen container.
+  held=0
+  for _ in $(seq 60); do
+    docker pause "$victim" >/dev/null
+    held=$(inflight "$trainer" "$victim_ip")
+    [ "$held" -gt 0 ] && break
+    docker unpause "$victim" >/dev/null
+    sleep 0.5
+  done
   docker kill "$victim" >/dev/null
-  note "  killed $(docker inspect -f '{{.Name}}' "$victim" | tr -d /) after step $(trained_steps "$trainer")"
+  note "  killed $(docker inspect -f '{{.Name}}' "$victim" | tr -d /) after step $(trained_steps "$trainer"), holding $held prompts"
   restart_at=$(( 2 * FAULT_STEPS / 3 ))
   wait_for_step "$trainer" "$restart_at" 1800
   note "  restarting the trainer container at step $(trained_steps "$trainer") (SIGTERM, then start)"

@@ -8,9 +8,10 @@ it runs with the host's ``python3`` and no project venv).
 What it checks, from the trainer's own records:
 
 - every step 1..steps was trained once, each on ``prompts-per-step`` prompts;
-- no prompt lost or trained twice: every uid appears once, and the draw indices (the ``#N``
-  suffix the trainer gives each prompt it draws) are exactly 0..steps*prompts_per_step-1, so a
-  prompt that was drawn, handed to a sampler that died and never trained would leave a gap;
+- no prompt lost or trained twice: every uid appears once, and every draw index (the ``#N``
+  suffix the trainer gives each prompt it draws, in draw order) up to the last one is accounted
+  for, trained or recorded as filtered or dropped with a reason, so a prompt that was drawn,
+  handed to a sampler that died and never trained leaves a gap;
 - work per sampler (the ``samplers`` field), mapped to container names by ``--samplers``
   (``NAME<TAB>ADDRESS-HOST`` lines); every expected sampler got work;
 - the accuracy line ``greedy accuracy: A -> B`` and, with ``--expect-resume``, that the trainer
@@ -44,7 +45,7 @@ class Audit:
     uids: int
     duplicate_uids: list[str]
     missing_draws: list[int]
-    extra_draws: list[int]
+    set_aside: int  # filtered (zero variance) or dropped with a reason: accounted, not trained
     per_sampler: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
@@ -58,15 +59,16 @@ def audit_trained(records: list[dict], steps: int, prompts_per_step: int) -> Aud
     step_list = [int(r["step"]) for r in records]
     uids = [u for r in records for u in r["uids"]]
     counts = Counter(uids)
-    draws = sorted(int(m.group(1)) for u in counts if (m := DRAW_INDEX.search(u)))
-    expected = set(range(steps * prompts_per_step))
+    set_aside = [u for r in records for u in r.get("filtered", [])]
+    set_aside += [d["uid"] for r in records for d in r.get("dropped", [])]
+    draws = {int(m.group(1)) for u in [*counts, *set_aside] if (m := DRAW_INDEX.search(u))}
     per_sampler: Counter = Counter(s for r in records for s in r["samplers"])
     out = Audit(
         steps=step_list,
         uids=len(uids),
         duplicate_uids=sorted(u for u, n in counts.items() if n > 1),
-        missing_draws=sorted(expected - set(draws)),
-        extra_draws=sorted(set(draws) - expected),
+        missing_draws=sorted(set(range(max(draws, default=-1) + 1)) - draws),
+        set_aside=len(set_aside),
         per_sampler=per_sampler,
     )
     if sorted(step_list) != list(range(1, steps + 1)):
@@ -84,14 +86,12 @@ def audit_trained(records: list[dict], steps: int, prompts_per_step: int) -> Aud
     if out.duplicate_uids:
         out.problems.append(f"{len(out.duplicate_uids)} prompts trained more than once: "
                             f"{out.duplicate_uids[:5]}")
-    if len(draws) != len(counts):
-        out.problems.append(f"{len(counts) - len(draws)} uids without a '#N' draw index")
+    undrawn = [u for u in [*counts, *set_aside] if not DRAW_INDEX.search(u)]
+    if undrawn:
+        out.problems.append(f"{len(undrawn)} uids without a '#N' draw index: {undrawn[:5]}")
     if out.missing_draws:
-        out.problems.append(f"{len(out.missing_draws)} drawn prompts never trained (lost): "
-                            f"draw indices {out.missing_draws[:10]}")
-    if out.extra_draws:
-        out.problems.append(f"{len(out.extra_draws)} prompts beyond the run's "
-                            f"{steps * prompts_per_step} draws: {out.extra_draws[:10]}")
+        out.problems.append(f"{len(out.missing_draws)} drawn prompts never trained nor set "
+                            f"aside (lost): draw indices {out.missing_draws[:10]}")
     return out
 
 
@@ -164,8 +164,8 @@ def check(args: argparse.Namespace) -> int:
     problems += result.problems
     names = sampler_names(args.samplers)
     print(f"steps trained: {len(result.steps)} (expected {args.steps}); prompts trained: "
-          f"{result.uids}; trained twice: {len(result.duplicate_uids)}; lost: "
-          f"{len(result.missing_draws)}")
+          f"{result.uids}; filtered or dropped with a reason: {result.set_aside}; trained "
+          f"twice: {len(result.duplicate_uids)}; lost: {len(result.missing_draws)}")
     print("work per sampler (prompts):")
     for sampler_id, n in sorted(result.per_sampler.items()):
         host = sampler_id.rsplit(":", 1)[0]

@@ -34,7 +34,7 @@ def test_the_smoke_script_runs_scales_and_breaks_the_stack_in_containers():
         pytest.skip("a Docker engine runs, but the compose smoke run (image build + two compose "
                     "runs, minutes) is opt-in: set SPLITRL_ENGINE_TESTS=1")
     proc = subprocess.run(
-        ["bash", "deploy/smoke.sh", "--reuse-base", "--demo-steps", "20", "--fault-steps", "30"],
+        ["bash", "deploy/smoke.sh", "--demo-steps", "20", "--fault-steps", "30"],
         cwd=REPO, capture_output=True, text=True, timeout=3500,
     )
     out = proc.stdout + proc.stderr

@@ -42,8 +42,20 @@ def test_a_lost_prompt_is_a_gap_in_the_draw_indices():
     # The prompt drawn as #6 died with its sampler; the trainer drew #20 to fill the batch.
     records[1]["uids"][2] = "arith-3+1#20"
     audit = smoke_check.audit_trained(records, 5, PER_STEP)
-    assert audit.missing_draws == [6] and audit.extra_draws == [20]
+    assert audit.missing_draws == [6]
     assert any("lost" in p for p in audit.problems)
+
+
+def test_prompts_set_aside_with_a_reason_are_accounted_for_not_lost():
+    records = run_records(5)
+    # Step 2 filtered #6 (zero variance) and dropped #7 (too long); #20 and #21 refilled it.
+    records[1]["uids"][2:4] = ["arith-3+1#20", "arith-4+1#21"]
+    records[1]["filtered"] = ["arith-6+1#6"]
+    records[1]["dropped"] = [{"uid": "arith-0+1#7", "reason": "prompt too long"}]
+    audit = smoke_check.audit_trained(records, 5, PER_STEP)
+    assert audit.problems == [] and audit.set_aside == 2 and audit.missing_draws == []
+    records[1]["dropped"] = []
+    assert smoke_check.audit_trained(records, 5, PER_STEP).missing_draws == [7]
 
 
 def test_a_prompt_trained_twice_is_reported():
