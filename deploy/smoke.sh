@@ -241,7 +241,8 @@ if [ -z "$ONLY" ] || [ "$ONLY" = faults ]; then
   # it has in flight there, thaw and retry until that is some, then kill the frozen container.
   held=0
   for _ in $(seq 60); do
-    docker pause "$victim" >/dev/null
+    # The cgroup freezer can fail under load ("unable to freeze"); runc then leaves it running.
+    docker pause "$victim" >/dev/null 2>&1 || { sleep 0.5; continue; }
     held=$(inflight "$trainer" "$victim_ip")
     [ "$held" -gt 0 ] && break
     docker unpause "$victim" >/dev/null
