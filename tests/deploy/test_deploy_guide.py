@@ -164,7 +164,7 @@ def test_compose_commands_use_the_compose_file_and_its_services():
         if verb == "restart":
             assert name == "trainer" and int(option(words, "-t")) >= 60
     assert scaled
-    assert {"up", "logs", "ps", "exec", "run", "restart", "down", "build"} <= verbs
+    assert {"up", "logs", "ps", "exec", "run", "restart", "down"} <= verbs
 
 
 def test_the_smoke_check_commands_are_the_scripts_and_their_options():
