@@ -211,25 +211,11 @@ class GenerationEngine:
         return (NamedSharding(self.mesh, PartitionSpec(b, h, None, None)),
                 NamedSharding(self.mesh, PartitionSpec(b, h, None, None)))
 
-    def _generate_batch(self, state, prompts, groups, p, group, options, words, version_words,
-                        results) -> int:
-        """Runs one compiled program for `groups` padded to p prompts; fills `results`;
-        returns the padded row count."""
-        longest = max(len(prompts[i]) for i, _ in groups)
-        t = bucket(longest, cap=self.max_sequence_length)
+    def _program_inputs(self, tokens, mask, valid, prompt_seeds, sample_ids, version_words,
+                        options: SamplingOptions) -> tuple[Plan, list[np.ndarray]]:
+        """The static `Plan` and the host arguments of one batch's generation program."""
+        p, group = valid.shape
         nb = bucket(options.max_new_tokens, cap=self.max_sequence_length)
-        tokens = np.full((p, t), self.pad_token_id, np.int32)
-        mask = np.zeros((p, t), bool)
-        valid = np.zeros((p, group), bool)
-        prompt_seeds = np.zeros((p, 2), np.uint32)
-        sample_ids = np.zeros((p, group), np.int32)
-        for row, (i, samples) in enumerate(groups):
-            ids = prompts[i]
-            tokens[row, t - ids.size:] = ids
-            mask[row, t - ids.size:] = True
-            valid[row, :len(samples)] = True
-            prompt_seeds[row] = words[i]
-            sample_ids[row, :len(samples)] = samples
         stops = sorted(set(self.eos_token_ids) | set(options.stop_token_ids))
         stop_ids = np.full(bucket(len(stops), minimum=_STOP_SLOTS), -1, np.int32)
         stop_ids[:len(stops)] = stops
@@ -242,6 +228,44 @@ class GenerationEngine:
                 np.float32(options.temperature if options.temperature > 0 else 1.0),
                 np.float32(options.top_p), np.float32(options.logprob_temperature),
                 np.int32(options.max_new_tokens), stop_ids]
+        return plan, args
+
+    def lower_generate(self, state: nnx.State, *, prompts: int, group: int,
+                       prompt_length: int, options: SamplingOptions) -> jax.stages.Lowered:
+        """The generation program of one batch (`prompts` prompt slots x `group` rows, prompts
+        bucketed to `prompt_length`), lowered with this engine's mesh and cache shardings for
+        ahead-of-time compilation (`splitrl plan`). `state` may be abstract (sharded
+        ShapeDtypeStructs): nothing runs."""
+        t = bucket(prompt_length, cap=self.max_sequence_length)
+        valid = np.zeros((prompts, group), bool)
+        plan, args = self._program_inputs(
+            np.zeros((prompts, t), np.int32), np.zeros((prompts, t), bool), valid,
+            np.zeros((prompts, 2), np.uint32), np.zeros((prompts, group), np.int32),
+            seed_words([0])[0], options)
+        args = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=self._replicated)
+                for a in args]
+        return _run.lower(self.graphdef, state, *args, plan=plan)
+
+    def _generate_batch(self, state, prompts, groups, p, group, options, words, version_words,
+                        results) -> int:
+        """Runs one compiled program for `groups` padded to p prompts; fills `results`;
+        returns the padded row count."""
+        longest = max(len(prompts[i]) for i, _ in groups)
+        t = bucket(longest, cap=self.max_sequence_length)
+        tokens = np.full((p, t), self.pad_token_id, np.int32)
+        mask = np.zeros((p, t), bool)
+        valid = np.zeros((p, group), bool)
+        prompt_seeds = np.zeros((p, 2), np.uint32)
+        sample_ids = np.zeros((p, group), np.int32)
+        for row, (i, samples) in enumerate(groups):
+            ids = prompts[i]
+            tokens[row, t - ids.size:] = ids
+            mask[row, t - ids.size:] = True
+            valid[row, :len(samples)] = True
+            prompt_seeds[row] = words[i]
+            sample_ids[row, :len(samples)] = samples
+        plan, args = self._program_inputs(tokens, mask, valid, prompt_seeds, sample_ids,
+                                          version_words, options)
         args = [jax.device_put(a, self._replicated) for a in args]
         with self._lock:
             self._programs.add((p, group, t, plan))

@@ -1,0 +1,168 @@
+"""The trainer's and the sampler's programs, built from a model config alone and compiled for a
+target at a given batch size (`measure(rows)`).
+
+Nothing here re-implements a program: the trainer's are `Learner.lower_train_step` of a
+learner over abstract parameters, the sampler's is `GenerationEngine.lower_generate` of an
+engine built as `sampler_service.server.serve` builds it. Shapes are the worst case a run
+allows: the trainer's micro-batch at the longest sequence the samplers accept
+(`sampler.max_sequence_length`, bucketed as `learning.batching` buckets), the sampler's full
+batch (`sampler.max_batch_size` rows, groups of `algorithm.group_size`) with the longest prompt
+that still leaves room for `sampling.max_new_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from splitrl.config import Config
+from splitrl.mesh import DATA_AXIS, FSDP_AXIS, build_mesh
+from splitrl.models import TransformerConfig, abstract_model, param_shapes, state_from_hf
+from splitrl.planning.memory import Measurement, OutOfMemory, compile_program, shard_bytes
+from splitrl.planning.targets import Target
+
+
+def _measure(rows: int, capacity: int, lowered: dict, categories) -> Measurement:
+    """Compiles `lowered` ({name: Lowered}) and fills in the categories from the results."""
+    programs = []
+    try:
+        for name, low in lowered.items():
+            programs.append(compile_program(name, low))
+    except OutOfMemory as e:
+        return Measurement(rows, {}, programs, capacity, error=str(e), needed=e.needed)
+    return Measurement(rows, categories({p.name: p for p in programs}), programs, capacity)
+
+
+class TrainerPlanner:
+    """The trainer's train step (forward, backward, accumulation; the optax update)."""
+
+    service = "trainer"
+    unit = "micro-batch rows"
+
+    def __init__(self, cfg: Config, model_config: TransformerConfig, target: Target):
+        from trainer_service.learning.batching import bucket
+        from trainer_service.learning.learner import Learner
+
+        self.target = target
+        self.mesh = build_mesh(cfg.trainer.mesh, target.devices)
+        self.dtype = jnp.dtype(cfg.model.dtype)
+        self.learner = Learner.from_config(abstract_model(model_config, self.dtype), cfg,
+                                           self.mesh)
+        self.batch = cfg.trainer.prompts_per_step * cfg.algorithm.group_size
+        self.rows = min(cfg.trainer.micro_batch_size or self.batch, self.batch)
+        self.length = bucket(cfg.sampler.max_sequence_length)
+        self.step = math.prod(self.mesh.shape[a] for a in (DATA_AXIS, FSDP_AXIS)
+                              if a in self.mesh.axis_names)
+        self.limit = self.batch
+        self.beta = cfg.algorithm.beta
+        self.strategy = cfg.trainer.mesh.strategy
+
+    def describe(self, rows: int) -> str:
+        n = math.ceil(self.batch / rows)
+        return (f"micro-batch {rows} rows x {self.length} tokens (batch {self.batch} rows = {n} "
+                f"micro-batch{'es' if n > 1 else ''}), {self.dtype.name}, "
+                f"strategy {self.strategy}")
+
+    def measure(self, rows: int) -> Measurement:
+        learner = self.learner
+        params = shard_bytes(learner.params)
+
+        def categories(programs):
+            ways = self.step if rows % self.step == 0 else 1
+            # Per micro-batch: tokens int32, two bool masks, sampler logprobs f32, advantages;
+            # kept for the step: pi_old logprobs (and reference logprobs when beta > 0).
+            per_row = self.length * (4 + 1 + 1 + 4) + 4 + (self.length - 1) * 4 * (
+                2 if self.beta > 0 else 1)
+            out = {
+                "parameters": params,
+                "optimizer state": shard_bytes(learner.opt_state),
+                "gradients": params,  # the accumulator: same shapes and shardings
+                "batch": math.ceil(self.batch / rows) * rows * per_row // ways,
+                "temporaries": max(p.transient for p in programs.values()),
+            }
+            if learner.ref_params is not None:
+                out["reference parameters"] = shard_bytes(learner.ref_params)
+            return out
+
+        return _measure(rows, self.target.hbm_bytes,
+                        learner.lower_train_step(rows, self.length), categories)
+
+
+class SamplerPlanner:
+    """The sampler's generation program (prefill, then the KV-cache decode loop)."""
+
+    service = "sampler"
+    unit = "prompts per batch"
+
+    def __init__(self, cfg: Config, model_config: TransformerConfig, target: Target):
+        from flax import nnx
+
+        from sampler_service.engine import GenerationEngine, bucket
+        from sampler_service.sampling import SamplingOptions
+
+        sampler, sampling = cfg.sampler, cfg.sampling
+        self.target = target
+        self.config = model_config
+        self.dtype = jnp.dtype(sampler.dtype or cfg.model.dtype)
+        self.mesh = build_mesh(sampler.mesh, target.devices)
+        graphdef = nnx.split(abstract_model(model_config, self.dtype))[0]
+        eos = model_config.eos_token_id
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        self.engine = GenerationEngine(model_config, graphdef, mesh=self.mesh,
+                                       max_batch_size=sampler.max_batch_size,
+                                       max_sequence_length=sampler.max_sequence_length,
+                                       eos_token_ids=eos, pad_token_id=0)
+        shardings = self.engine.state_shardings(sampler.mesh.strategy)
+        self.state = state_from_hf(model_config, {
+            name: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=shardings[name])
+            for name, s in param_shapes(model_config).items()})
+        self.group = min(cfg.algorithm.group_size, sampler.max_batch_size)
+        self.rows = sampler.max_batch_size // self.group
+        self.prompt_length = max(1, sampler.max_sequence_length - sampling.max_new_tokens)
+        self.new_tokens = sampling.max_new_tokens
+        self.prompt_slots = bucket(self.prompt_length, cap=sampler.max_sequence_length)
+        self.gen_slots = max(bucket(self.new_tokens, cap=sampler.max_sequence_length) - 1, 1)
+        self.options = SamplingOptions(
+            temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=tuple(sampling.stop_token_ids))
+        self.step = 1
+        self.limit = 16 * self.rows
+        self.strategy = sampler.mesh.strategy
+
+    def describe(self, prompts: int) -> str:
+        return (f"batch {prompts} prompts x {self.group} completions = {prompts * self.group} "
+                f"rows, prompt {self.prompt_length} + {self.new_tokens} new tokens, "
+                f"{self.dtype.name}, strategy {self.strategy}")
+
+    def kv_cache_bytes(self, prompts: int) -> int:
+        """The prompt cache [P, K, T, Dh] and the generation cache [P*n, K, S, Dh], keys and
+        values of every layer, on one device (the engine's cache shardings)."""
+        c = self.config
+        prompt_sh, gen_sh = self.engine._cache_shardings(prompts, self.group)
+        prompt = math.prod(prompt_sh.shard_shape(
+            (prompts, c.num_kv_heads, self.prompt_slots, c.head_dim)))
+        gen = math.prod(gen_sh.shard_shape(
+            (prompts * self.group, c.num_kv_heads, self.gen_slots, c.head_dim)))
+        return 2 * c.num_layers * (prompt + gen) * self.dtype.itemsize
+
+    def measure(self, prompts: int) -> Measurement:
+        params = shard_bytes(self.state)
+
+        def categories(programs):
+            program = programs["generate"]
+            kv = self.kv_cache_bytes(prompts)
+            return {
+                "parameters": params,
+                "push staging": params,  # a push is staged beside the served weights
+                "kv cache": kv,
+                "temporaries": max(0, program.transient - kv),
+                "batch": max(0, program.arguments - params),
+            }
+
+        lowered = self.engine.lower_generate(self.state, prompts=prompts, group=self.group,
+                                             prompt_length=self.prompt_length,
+                                             options=self.options)
+        return _measure(prompts, self.target.hbm_bytes, {"generate": lowered}, categories)
