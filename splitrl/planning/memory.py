@@ -139,21 +139,23 @@ def largest_fitting(measure: Callable[[int], Measurement], base: Measurement, st
     record(base)
     probe = at(2 * base.rows if base.fits else base.rows / 2)
     record(probe)
-    guess = None
+    pending: list[int] = []  # the linear prediction, then its neighbours
     if probe.rows != base.rows and base.peak is not None and probe.peak is not None:
         slope = (probe.peak - base.peak) / (probe.rows - base.rows)
         if slope > 0:
-            guess = base.rows + (base.capacity - base.peak) / slope
+            guess = int(base.rows + (base.capacity - base.peak) / slope) // step * step
+            pending = [guess, guess + step, guess - step]
     for _ in range(max_compiles):
         if hi - lo <= max(step, lo // 16):
             break
-        if guess is not None and lo < guess < hi:
-            rows = guess
+        while pending and not lo < pending[0] < hi:
+            pending.pop(0)
+        if pending:
+            rows = pending.pop(0)
         elif hi > limit:
             rows = 2 * lo if lo else step
         else:
             rows = (lo + hi) / 2
-        guess = None
         m = at(rows)
         if m.rows <= lo or m.rows >= hi:
             break
