@@ -310,10 +310,15 @@ class PushConfig:
     timeout_s: float = 300.0
     # A data-plane peer that says nothing for this long has failed.
     idle_timeout_s: float = 30.0
+    # Once one sampler has a push, the trainer waits this long for the others and goes on; a
+    # slow or stopped sampler's push finishes (or fails) in the background, and it gets work
+    # again once it holds recent enough weights.
+    straggler_wait_s: float = 10.0
 
     def __post_init__(self):
         _check_positive("trainer.push.timeout_s", self.timeout_s)
         _check_positive("trainer.push.idle_timeout_s", self.idle_timeout_s)
+        _check_positive("trainer.push.straggler_wait_s", self.straggler_wait_s)
 
 
 @dataclass
