@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import re
 
 import jax
@@ -114,6 +115,9 @@ def tpu_target(name: str, hbm_bytes: int | None = None) -> Target:
     """The TPU devices of topology `name` (via libtpu, no TPU needed)."""
     if not libtpu_installed():
         raise PlanError(LIBTPU_MISSING)
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) meant for processes sharing
+    # real chips; compiling uses none, so two plans (or a plan and a test) may run at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     topology = topology_name(name)
@@ -135,8 +139,6 @@ def cpu_target(memory_bytes: int | None = None) -> Target:
     given `memory_bytes` (default: the host's RAM shared equally)."""
     devices = jax.devices("cpu")
     if memory_bytes is None:
-        import os
-
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         memory_bytes = total // len(devices)
     return Target(name="cpu", devices=tuple(devices), hbm_bytes=int(memory_bytes))
