@@ -200,7 +200,11 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                               max_batch_size=sampler.max_batch_size,
                               max_sequence_length=sampler.max_sequence_length,
                               eos_token_ids=_eos_ids(weights.config, tokenizer),
-                              pad_token_id=pad)
+                              pad_token_id=pad, kv_cache_bytes=sampler.kv_cache_bytes,
+                              batching=sampler.batching, segment_steps=sampler.segment_steps,
+                              update_in_flight=sampler.update_in_flight,
+                              weights=weights.snapshot, dtype=dtype)
+    metrics.KV_CACHE_BUDGET_BYTES.set(engine.cache.budget_bytes)
     reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
                            auth=config.services.auth)
               if config.services.reward_address else None)
@@ -222,6 +226,8 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
         "address": servicer.address, "sampler_id": worker.sampler_id,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
+        "max_batch_size": engine.max_batch_size, "kv_cache_bytes": engine.cache.budget_bytes,
+        "batching": sampler.batching, "update_in_flight": sampler.update_in_flight,
         "fingerprint": weights.fingerprint, "weight_version": weights.version})
     return server, servicer
 
@@ -303,5 +309,6 @@ def main(config: Config) -> int:
         if registration is not None:
             registration.stop()
         servicer.worker.close()
+        servicer.worker.engine.close()
     print(json.dumps({"event": "stopped", "service": "sampler"}), file=sys.stdout, flush=True)
     return 0

@@ -31,6 +31,18 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
         raise ConfigError(f"{key}: expected one of {list(choices)}, got {value!r}")
 
 
+# The smallest sampling temperature other than 0 (greedy): logits / temperature must stay finite
+# in float32 (|logits| of 1e4 / 1e-5 = 1e9), on the sampler and in the trainer's recomputation.
+MIN_TEMPERATURE = 1e-5
+
+
+def check_temperature(key: str, value: float) -> None:
+    """0 (greedy) or MIN_TEMPERATURE <= value; a ConfigError naming ``key`` otherwise."""
+    if value != 0 and not value >= MIN_TEMPERATURE:
+        raise ConfigError(f"{key}: expected 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller "
+                          f"temperatures overflow float32 logits / temperature), got {value!r}")
+
+
 def _check_positive(key: str, value: float | int | None, allow_zero: bool = False) -> None:
     if value is None:
         return
@@ -97,6 +109,7 @@ class SamplingConfig:
 
     def __post_init__(self):
         _check_positive("sampling.temperature", self.temperature, allow_zero=True)
+        check_temperature("sampling.temperature", self.temperature)
         _check_positive("sampling.top_k", self.top_k, allow_zero=True)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"sampling.top_p: expected 0 < top_p <= 1, got {self.top_p}")
@@ -300,8 +313,27 @@ class SamplerConfig:
     # Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
     # Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up.
     register_with_trainer: bool = True
+    # Memory for the decode KV cache, in bytes; 0 = what max_batch_size sequences of
+    # max_sequence_length need. The engine never allocates more (sequences beyond it queue);
+    # GetInfo's max_batch_size is min(max_batch_size, sequences of max_sequence_length that
+    # fit), so a trainer's capacity is always admissible.
+    kv_cache_bytes: int = 0
+    # "continuous": finished sequences' decode slots are refilled from waiting prompts between
+    # segments; "static": a batch decodes until its last sequence ends (for comparison).
+    batching: str = "continuous"
+    # Decode steps per compiled segment (between segments slots are retired and refilled).
+    segment_steps: int = 16
+    # Apply a weight push to sequences in flight at the next segment boundary (their
+    # Completion.weight_versions then list every version); false = a sequence finishes on the
+    # weights it started with and a push waits until they drain.
+    update_in_flight: bool = False
 
     def __post_init__(self):
+        _check_positive("sampler.kv_cache_bytes", self.kv_cache_bytes, allow_zero=True)
+        _check_positive("sampler.segment_steps", self.segment_steps)
+        if self.batching not in ("continuous", "static"):
+            raise ConfigError(f"sampler.batching: expected 'continuous' or 'static', got "
+                              f"{self.batching!r}")
         _check_positive("sampler.max_batch_size", self.max_batch_size)
         _check_positive("sampler.max_sequence_length", self.max_sequence_length)
         _check_positive("sampler.max_chunk_bytes", self.max_chunk_bytes)
