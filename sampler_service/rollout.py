@@ -35,7 +35,7 @@ from sampler_service import metrics
 from sampler_service.requests import EngineClosed, FinishedGroup, GenerationRequest
 from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
-from splitrl.config import MIN_TEMPERATURE, SamplingConfig
+from splitrl.config import MIN_TEMPERATURE, SamplingConfig, temperature_ok
 from splitrl.serving import make_channel
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
 
@@ -143,7 +143,7 @@ class RolloutWorker:
     def sampling_options(self, params: common_pb2.SamplingParams,
                          where: str = "sampling") -> SamplingOptions:
         t = params.temperature
-        if not math.isfinite(t) or not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        if not math.isfinite(t) or not temperature_ok(t) or t > MAX_TEMPERATURE:
             raise RequestError(_INVALID, f"{where}.temperature: expected 0 (greedy) or "
                                f"{MIN_TEMPERATURE:g} <= temperature <= {MAX_TEMPERATURE:g} "
                                f"(smaller temperatures overflow float32 logits / temperature), "

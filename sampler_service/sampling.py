@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from splitrl.config import MIN_TEMPERATURE
+from splitrl.config import MIN_TEMPERATURE, temperature_ok
 
 NEG_INF = float("-inf")
 # Blocks for the two-level inverse-CDF over a full vocabulary (XLA's cumsum over 16k+ entries
@@ -62,8 +62,7 @@ class SamplingOptions:
         def bad(field, expected, value):
             raise ValueError(f"SamplingOptions.{field}: expected {expected}, got {value!r}")
 
-        if not _is_number(self.temperature) or not (
-                self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE):
+        if not _is_number(self.temperature) or not temperature_ok(self.temperature):
             bad("temperature", f"0 (greedy) or a number >= {MIN_TEMPERATURE:g} (smaller ones "
                 "overflow float32 logits / temperature)", self.temperature)
         if not _is_int(self.top_k) or self.top_k < 0:

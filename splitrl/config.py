@@ -36,9 +36,14 @@ def _check_choice(key: str, value: Any, choices: tuple) -> None:
 MIN_TEMPERATURE = 1e-5
 
 
+def temperature_ok(value: float) -> bool:
+    """0 (greedy) or at least MIN_TEMPERATURE (as float32 rounds it: requests carry float32)."""
+    return value == 0 or value >= MIN_TEMPERATURE * (1 - 2**-23)
+
+
 def check_temperature(key: str, value: float) -> None:
     """0 (greedy) or MIN_TEMPERATURE <= value; a ConfigError naming ``key`` otherwise."""
-    if value != 0 and not value >= MIN_TEMPERATURE:
+    if not temperature_ok(value):
         raise ConfigError(f"{key}: expected 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller "
                           f"temperatures overflow float32 logits / temperature), got {value!r}")
 
