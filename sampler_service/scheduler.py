@@ -247,6 +247,8 @@ class Scheduler:
     # ------------------------------------------------------------------ 3. admit
 
     def _fits(self, extra_rows: int, widths: list[int]) -> bool:
+        """Whether ``extra_rows`` more rows (the batch holds the ones admitted so far) of final
+        widths up to max(widths) fit the rows and the budget."""
         rows = len(self.rows) + extra_rows
         width = max([r.final_width for r in self.rows.values()] + widths)
         return rows <= self.cache.max_rows and self.cache.fits(rows, width)
@@ -273,8 +275,7 @@ class Scheduler:
                 break
             width = max(len(p) for p in request.prompts) + request.options.max_new_tokens
             while request.next_prompt < len(request.prompts):
-                extra = sum(len(g.rows) for g in admitted) + request.n
-                if not self._fits(extra, widths + [width]):
+                if not self._fits(request.n, widths + [width]):
                     break
                 admitted.append(self._new_group(request, weights))
                 widths.append(width)
