@@ -64,19 +64,49 @@ def _is_stop(tokens, stop_ids):
     return jnp.any(tokens[:, None] == stop_ids, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def prefill(graphdef, state, tokens, lengths):
-    """tokens [P, W] right-padded, lengths [P] -> (((k, v) [P, W, K, Dh] per layer),
-    last-token logits [P, V] float32)."""
-    model = nnx.merge(graphdef, state)
-    p, w = tokens.shape
-    slots = jnp.arange(w)
-    valid = slots[None, :] < lengths[:, None]
-    positions = jnp.broadcast_to(slots, (p, w)).astype(jnp.int32)
-    backend = DenseAttention(causal_mask(slots, slots, valid), keep_kv=True)
-    h, backend = model.forward_with(tokens, positions, backend)
-    last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return backend.kv, model.logits(last)
+class Programs:
+    """`prefill` and `decode` compiled for one model structure.
+
+    Weights are passed as the flat list of the state's leaves (``jax.tree.flatten(state)[0]``,
+    made once per weight version) and the model is rebuilt inside from the static graphdef
+    and tree structure: hashing a graphdef and flattening an `nnx.State` cost milliseconds
+    per call, which a decode segment of a small model cannot afford. Get one with
+    `programs_for`, so engines of the same model share compiled programs.
+    """
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+        self.prefill = jax.jit(self._prefill)
+        self.decode = jax.jit(self._decode, static_argnames=("plan", "steps", "sharding"),
+                              donate_argnames=("cache",))
+
+    def model(self, leaves):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+    def _prefill(self, leaves, tokens, lengths):
+        """tokens [P, W] right-padded, lengths [P] -> (((k, v) [P, W, K, Dh] per layer),
+        last-token logits [P, V] float32)."""
+        model = self.model(leaves)
+        p, w = tokens.shape
+        slots = jnp.arange(w)
+        valid = slots[None, :] < lengths[:, None]
+        positions = jnp.broadcast_to(slots, (p, w)).astype(jnp.int32)
+        backend = DenseAttention(causal_mask(slots, slots, valid), keep_kv=True)
+        h, backend = model.forward_with(tokens, positions, backend)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return backend.kv, model.logits(last)
+
+    def _decode(self, leaves, cache, last_token, length, generated, live, params: RowParams,
+                steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
+                sharding: NamedSharding | None):
+        return _decode_loop(self.model(leaves), cache, last_token, length, generated, live,
+                            params, steps_limit, refill_at, plan=plan, steps=steps,
+                            sharding=sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def programs_for(graphdef, treedef) -> Programs:
+    return Programs(graphdef, treedef)
 
 
 @functools.partial(jax.jit, static_argnames=("plan", "sharding"), donate_argnames=("cache",))
@@ -111,11 +141,9 @@ def _fit_width(x, width):
     return jnp.pad(x, [(0, 0), (0, width - have)] + [(0, 0)] * (x.ndim - 2))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "plan", "steps", "sharding"),
-                   donate_argnames=("cache",))
-def decode(graphdef, state, cache, last_token, length, generated, live, params: RowParams,
-           steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
-           sharding: NamedSharding | None):
+def _decode_loop(model, cache, last_token, length, generated, live, params: RowParams,
+                 steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
+                 sharding: NamedSharding | None):
     """Up to ``min(steps, steps_limit)`` decode steps over every cache row.
 
     Row r feeds ``last_token[r]`` at position/slot ``length[r]`` (its tokens so far) and, if
@@ -124,7 +152,6 @@ def decode(graphdef, state, cache, last_token, length, generated, live, params: 
     finished. Returns (cache, tokens [R, steps] (-1 where a row drew nothing), logprobs
     [R, steps], produced [R] tokens drawn, stopped [R] ended on a stop id).
     """
-    model = nnx.merge(graphdef, state)
     rows = last_token.shape[0]
 
     def cond(carry):

@@ -74,6 +74,7 @@ class SlotCache:
         self.arrays: tuple | None = None  # ((k, v) per layer)
         self.allocated_bytes = 0
         self.peak_bytes = 0
+        self._shardings: dict[int, NamedSharding] = {}
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -108,6 +109,11 @@ class SlotCache:
     def sharding(self, rows: int) -> NamedSharding:
         """KV heads on the "tensor" axis when they divide by it; any other mesh axis (data,
         fsdp) splits the rows when they divide by it; the rest is replicated."""
+        if rows not in self._shardings:
+            self._shardings[rows] = self._sharding(rows)
+        return self._shardings[rows]
+
+    def _sharding(self, rows: int) -> NamedSharding:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape, strict=True))
         heads, batch = [], []
         for name, size in sizes.items():

@@ -99,6 +99,8 @@ class _Weights:
     version: int
     state: object
     pinned: bool
+    leaves: list = dataclasses.field(default_factory=list)  # the state's, flattened once
+    programs: _programs.Programs | None = None
 
 
 class Scheduler:
@@ -218,20 +220,26 @@ class Scheduler:
         latest = self._latest()
         if latest.state is self.weights.state:
             return
-        self.weights = latest
+        self._adopt(latest)
         for row in self.rows.values():
             if not row.done and row.versions[-1] != latest.version:
                 row.versions.append(latest.version)
         with self.stats_lock:
             self.stats["weight_swaps_in_flight"] += 1
 
+    def _adopt(self, weights: _Weights) -> None:
+        leaves, treedef = jax.tree.flatten(weights.state)
+        weights.leaves = leaves
+        weights.programs = _programs.programs_for(self.graphdef, treedef)
+        self.weights = weights
+
     def _weights_for(self, request: GenerationRequest, batch_empty: bool) -> _Weights | None:
         """The batch's weights if ``request`` may join it now (adopting them when the batch
         is empty), else None (the batch must drain first)."""
         if batch_empty:
             pinned = request.pinned
-            self.weights = (_Weights(pinned.version, pinned.state, pinned=True)
-                            if pinned is not None else self._latest())
+            self._adopt(_Weights(pinned.version, pinned.state, pinned=True)
+                        if pinned is not None else self._latest())
             return self.weights
         if self.session is request:
             return self.weights
@@ -369,7 +377,7 @@ class Scheduler:
         row_slot = np.full(n, self.cache.shape.rows, np.int32)  # padding rows: dropped
         row_slot[:len(rows)] = [row.slot for row in rows]
         params, plan = self._row_params(rows, n)
-        kv, logits = _programs.prefill(self.graphdef, self.weights.state, tokens, lengths)
+        kv, logits = self.weights.programs.prefill(self.weights.leaves, tokens, lengths)
         self.cache.arrays, tok, lp, stopped = _programs.admit(
             self.cache.arrays, kv, logits, row_prompt, row_slot, params, plan=plan,
             sharding=self.cache.sharding(self.cache.shape.rows))
@@ -464,9 +472,9 @@ class Scheduler:
             live[slot] = not row.done
         refill_at = self._refill_at()
         start = time.perf_counter()
-        self.cache.arrays, out_tok, out_lp, produced, stopped = _programs.decode(
-            self.graphdef, self.weights.state, self.cache.arrays, last, length, generated, live,
-            params, np.int32(self.segment_steps), np.int32(refill_at), plan=plan,
+        self.cache.arrays, out_tok, out_lp, produced, stopped = self.weights.programs.decode(
+            self.weights.leaves, self.cache.arrays, last, length, generated, live, params,
+            np.int32(self.segment_steps), np.int32(refill_at), plan=plan,
             steps=self.segment_steps, sharding=self.cache.sharding(shape.rows))
         out_tok, out_lp, produced, stopped = jax.device_get((out_tok, out_lp, produced, stopped))
         seconds = time.perf_counter() - start
