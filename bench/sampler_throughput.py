@@ -188,7 +188,11 @@ class Workloads:
               f"{first:.2f} s; {len(lengths)} sequences, mean length {mean:.1f}, "
               f"max {max(lengths)}, at the limit {sum(x == self.new_tokens for x in lengths)}; "
               f"decode rows busy {occupancy:.0%}; "
-              f"{after['decode_steps'] - before['decode_steps']} decode steps)")
+              f"{after['decode_steps'] - before['decode_steps']} decode steps: "
+              f"{after['decode_seconds'] - before['decode_seconds']:.2f} s; prefill "
+              f"{after['prefill_seconds'] - before['prefill_seconds']:.2f} s of "
+              f"{after['prefill_padded_tokens'] - before['prefill_padded_tokens']} tokens, "
+              f"{after['prefill_tokens'] - before['prefill_tokens']} real)")
         return best
 
     def transformers(self, path, *, uniform: bool) -> Timing:

@@ -7,10 +7,12 @@ token per row, written in place into the row's cache slot). Weights are an argum
 (``state``), never a closure constant, so one compiled program serves every weight version of
 the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`.
 
-1. `prefill`: P prompts right-padded to W tokens -> each layer's k/v [P, W, K, Dh] and the
-   logits after each prompt's last token [P, V]. A prompt is prefilled once for its n rows.
-2. `admit`: copies prompt p's keys/values into the cache rows of its n completions and draws
-   each row's first token from the prompt's logits (draw index 0 of the row's key).
+1. `prefill`: prompts packed into rows of W tokens (several short prompts share a row, each
+   attending only to itself, so padding is what the packing leaves, not every prompt's gap
+   to the longest) -> each layer's k/v [B, W, K, Dh] and the hidden states [B, W, D]. A
+   prompt is prefilled once for its n rows.
+2. `admit`: copies each prompt's keys/values into the cache rows of its n completions and
+   draws each row's first token from the logits after the prompt (draw index 0 of its key).
 3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
    stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
    refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
@@ -30,7 +32,7 @@ from jax.sharding import NamedSharding
 
 from sampler_service import sampling
 from sampler_service.kv_cache import SlotDecodeAttention
-from splitrl.models import DenseAttention, causal_mask
+from splitrl.models import DenseAttention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,24 +79,53 @@ class Programs:
     def __init__(self, graphdef, treedef):
         self.graphdef, self.treedef = graphdef, treedef
         self.prefill = jax.jit(self._prefill)
+        self.admit = jax.jit(self._admit, static_argnames=("plan", "sharding"),
+                             donate_argnames=("cache",))
         self.decode = jax.jit(self._decode, static_argnames=("plan", "steps", "sharding"),
                               donate_argnames=("cache",))
 
     def model(self, leaves):
         return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
 
-    def _prefill(self, leaves, tokens, lengths):
-        """tokens [P, W] right-padded, lengths [P] -> (((k, v) [P, W, K, Dh] per layer),
-        last-token logits [P, V] float32)."""
+    def _prefill(self, leaves, tokens, positions, segments):
+        """Packed prompts: tokens/positions/segments [B, W] (several prompts per row, each a
+        run of one segment id, positions from 0; -1 = padding). Each token attends causally
+        within its own prompt. Returns (((k, v) [B, W, K, Dh] per layer), hidden [B, W, D])."""
         model = self.model(leaves)
-        p, w = tokens.shape
-        slots = jnp.arange(w)
-        valid = slots[None, :] < lengths[:, None]
-        positions = jnp.broadcast_to(slots, (p, w)).astype(jnp.int32)
-        backend = DenseAttention(causal_mask(slots, slots, valid), keep_kv=True)
-        h, backend = model.forward_with(tokens, positions, backend)
-        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return backend.kv, model.logits(last)
+        slots = jnp.arange(tokens.shape[1])
+        same = segments[:, :, None] == segments[:, None, :]
+        mask = same & (slots[None, :] <= slots[:, None])[None] & (segments >= 0)[:, None, :]
+        h, backend = model.forward_with(tokens, positions, DenseAttention(mask, keep_kv=True))
+        return backend.kv, h
+
+    def _admit(self, leaves, cache, kv, hidden, row_start, row_length, row_slot,
+               params: RowParams, *, plan: sampling.SamplePlan,
+               sharding: NamedSharding | None):
+        """Copies each new row's prompt (``row_length`` [N] tokens from flat packed position
+        ``row_start`` [N] of `prefill`'s output) into cache row ``row_slot`` [N] (a slot past
+        the cache's rows marks a padding entry: dropped), and draws the row's first token
+        from the hidden state after its prompt. Returns (cache, tokens, logprobs, stopped)."""
+        model = self.model(leaves)
+        width = cache[0][0].shape[3]
+        b, w = hidden.shape[:2]
+        # Slot t of a row reads packed position start + t (past the prompt: masked garbage).
+        index = jnp.minimum(row_start[:, None] + jnp.arange(width), b * w - 1)
+        out = []
+        for (k_cache, v_cache), (k, v) in zip(cache, kv, strict=True):
+            k = jnp.take(k.reshape(b * w, *k.shape[2:]), index, axis=0)  # [N, S, K, Dh]
+            v = jnp.take(v.reshape(b * w, *v.shape[2:]), index, axis=0)
+            k_cache = k_cache.at[row_slot].set(k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
+                                               mode="drop")
+            v_cache = v_cache.at[row_slot].set(v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
+                                               mode="drop")
+            if sharding is not None:
+                k_cache = jax.lax.with_sharding_constraint(k_cache, sharding)
+                v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
+            out.append((k_cache, v_cache))
+        last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
+        tokens, logprobs = _draw(model.logits(last), params,
+                                 jnp.zeros(row_start.shape, jnp.int32), plan)
+        return tuple(out), tokens, logprobs, _is_stop(tokens, params.stop_ids)
 
     def _decode(self, leaves, cache, last_token, length, generated, live, params: RowParams,
                 steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
@@ -107,38 +138,6 @@ class Programs:
 @functools.lru_cache(maxsize=8)
 def programs_for(graphdef, treedef) -> Programs:
     return Programs(graphdef, treedef)
-
-
-@functools.partial(jax.jit, static_argnames=("plan", "sharding"), donate_argnames=("cache",))
-def admit(cache, kv, logits, row_prompt, row_slot, params: RowParams, *,
-          plan: sampling.SamplePlan, sharding: NamedSharding | None):
-    """Fills cache rows ``row_slot`` [N] (== rows of the cache: a padding entry, dropped) with
-    the prompt ``row_prompt`` [N] indexes in ``kv``/``logits`` (from `prefill`), and draws
-    each row's first token. Returns (cache, tokens [N], logprobs [N], stopped [N])."""
-    width = cache[0][0].shape[3]
-    out = []
-    for (k_cache, v_cache), (k, v) in zip(cache, kv, strict=True):
-        k = _fit_width(jnp.take(k, row_prompt, axis=0), width)  # [N, S, K, Dh]
-        v = _fit_width(jnp.take(v, row_prompt, axis=0), width)
-        k_cache = k_cache.at[row_slot].set(k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
-                                           mode="drop")
-        v_cache = v_cache.at[row_slot].set(v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
-                                           mode="drop")
-        if sharding is not None:
-            k_cache = jax.lax.with_sharding_constraint(k_cache, sharding)
-            v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
-        out.append((k_cache, v_cache))
-    tokens, logprobs = _draw(jnp.take(logits, row_prompt, axis=0), params,
-                             jnp.zeros(row_prompt.shape, jnp.int32), plan)
-    return tuple(out), tokens, logprobs, _is_stop(tokens, params.stop_ids)
-
-
-def _fit_width(x, width):
-    """x [N, W, ...] cut or zero-padded to [N, width, ...]."""
-    have = x.shape[1]
-    if width <= have:
-        return x[:, :width]
-    return jnp.pad(x, [(0, 0), (0, width - have)] + [(0, 0)] * (x.ndim - 2))
 
 
 def _decode_loop(model, cache, last_token, length, generated, live, params: RowParams,

@@ -103,7 +103,8 @@ class GenerationEngine:
                 "while the cache is resized)")
         self._lock = threading.Lock()
         self._stats: dict = dict.fromkeys(_COUNTERS, 0)
-        self._stats.update(generate_seconds=0.0, last_batch_occupancy=0.0,
+        self._stats.update(generate_seconds=0.0, prefill_seconds=0.0, decode_seconds=0.0,
+                           last_batch_occupancy=0.0,
                            last_tokens_per_second=0.0, peak_active_sequences=0,
                            peak_queued_sequences=0)
         self.scheduler = Scheduler(
@@ -256,7 +257,9 @@ class GenerationEngine:
         """Counters: requests, sequences, prefills (prompts prefilled), prefill_tokens,
         prefill_padded_tokens, tokens_generated, segments, decode_steps, row_steps (decode
         rows computed), live_row_steps (of which drew a token), cache_resizes,
-        weight_swaps_in_flight, generate_seconds and generate_tokens (of `generate` calls);
+        weight_swaps_in_flight, generate_seconds and generate_tokens (of `generate` calls),
+        prefill_seconds and decode_seconds (wall time in prefill + first tokens, in decode
+        segments);
         gauges: batch_occupancy (live / computed rows, whole life), last_batch_occupancy and
         last_tokens_per_second (last segment), queued_sequences, active_sequences,
         peak_active_sequences, peak_queued_sequences, kv_cache_bytes (allocated now),

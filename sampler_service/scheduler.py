@@ -54,6 +54,39 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def pack_prompts(prompts: list[np.ndarray], max_width: int, pad: int):
+    """Packs prompts into rows of W tokens, first fit by decreasing length (ties: in order).
+
+    W is the longest prompt's power of two (>= 16, <= max_width); the row count is
+    `_fine_bucket`ed. Returns (tokens, positions, segments [B, W] int32 (segment i = prompt
+    i, -1 = padding), starts [P]: the flat position of each prompt's first token).
+    """
+    width = min(max(_pow2(max(p.size for p in prompts)), _MIN_PROMPT_WIDTH), max_width)
+    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].size)
+    fill: list[int] = []  # tokens used per row
+    place = [(0, 0)] * len(prompts)
+    for i in order:
+        size = prompts[i].size
+        row = next((r for r, used in enumerate(fill) if used + size <= width), None)
+        if row is None:
+            row = len(fill)
+            fill.append(0)
+        place[i] = (row, fill[row])
+        fill[row] += size
+    b = _fine_bucket(len(fill))
+    tokens = np.full((b, width), pad, np.int32)
+    positions = np.zeros((b, width), np.int32)
+    segments = np.full((b, width), -1, np.int32)
+    starts = np.zeros(len(prompts), np.int32)
+    for i, (row, offset) in enumerate(place):
+        size = prompts[i].size
+        tokens[row, offset:offset + size] = prompts[i]
+        positions[row, offset:offset + size] = np.arange(size)
+        segments[row, offset:offset + size] = i
+        starts[i] = row * width + offset
+    return tokens, positions, segments, starts
+
+
 def _fine_bucket(n: int) -> int:
     """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^k) >= n: prompts per
     prefill, where padding a batch of 33 prompts to 64 would cost half the prefill."""
@@ -166,9 +199,17 @@ class Scheduler:
             self.stats["peak_active_sequences"] = peak
         self._layout(new_rows)
         if admitted:
+            start = time.perf_counter()
             self._prefill_and_admit(admitted)
+            self._add_seconds("prefill_seconds", start)
         if any(not row.done for row in self.rows.values()):
+            start = time.perf_counter()
             self._decode()
+            self._add_seconds("decode_seconds", start)
+
+    def _add_seconds(self, key: str, start: float) -> None:
+        with self.stats_lock:
+            self.stats[key] += time.perf_counter() - start
 
     # ------------------------------------------------------------------ 1. retire
 
@@ -353,34 +394,26 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill + admit
 
     def _prefill_and_admit(self, admitted: list[_Group]) -> None:
-        by_width: dict[int, list[_Group]] = collections.defaultdict(list)
-        for group in admitted:
-            length = len(group.request.prompts[group.index])
-            width = min(max(_pow2(length), _MIN_PROMPT_WIDTH), self.cache.max_width)
-            by_width[width].append(group)
-        for width in sorted(by_width):
-            self._prefill_batch(by_width[width], width)
-
-    def _prefill_batch(self, groups: list[_Group], width: int) -> None:
-        p = _fine_bucket(len(groups))
-        tokens = np.full((p, width), self.pad_token_id, np.int32)
-        lengths = np.ones(p, np.int32)
-        rows, row_prompt = [], []
-        for i, group in enumerate(groups):
-            ids = group.request.prompts[group.index]
-            tokens[i, :ids.size] = ids
-            lengths[i] = ids.size
-            rows.extend(group.rows)
-            row_prompt.extend([i] * len(group.rows))
+        """One packed prefill of the admitted prompts, then their rows' first tokens."""
+        prompts = [g.request.prompts[g.index] for g in admitted]
+        tokens, positions, segments, starts = pack_prompts(
+            prompts, self.cache.max_width, self.pad_token_id)
+        rows = [row for group in admitted for row in group.rows]
         n = _pow2(len(rows))
-        row_prompt = np.asarray(row_prompt + [0] * (n - len(rows)), np.int32)
-        row_slot = np.full(n, self.cache.shape.rows, np.int32)  # padding rows: dropped
-        row_slot[:len(rows)] = [row.slot for row in rows]
+        row_start = np.zeros(n, np.int32)
+        row_length = np.ones(n, np.int32)
+        row_slot = np.full(n, self.cache.shape.rows, np.int32)  # padding entries: dropped
+        j = 0
+        for i, group in enumerate(admitted):
+            for row in group.rows:
+                row_start[j], row_length[j], row_slot[j] = starts[i], prompts[i].size, row.slot
+                j += 1
         params, plan = self._row_params(rows, n)
-        kv, logits = self.weights.programs.prefill(self.weights.leaves, tokens, lengths)
-        self.cache.arrays, tok, lp, stopped = _programs.admit(
-            self.cache.arrays, kv, logits, row_prompt, row_slot, params, plan=plan,
-            sharding=self.cache.sharding(self.cache.shape.rows))
+        programs = self.weights.programs
+        kv, hidden = programs.prefill(self.weights.leaves, tokens, positions, segments)
+        self.cache.arrays, tok, lp, stopped = programs.admit(
+            self.weights.leaves, self.cache.arrays, kv, hidden, row_start, row_length, row_slot,
+            params, plan=plan, sharding=self.cache.sharding(self.cache.shape.rows))
         tok, lp, stopped = jax.device_get((tok, lp, stopped))
         for j, row in enumerate(rows):
             row.length = row.prompt_len
@@ -392,12 +425,13 @@ class Scheduler:
                 row.reason = "length"
         with self.stats_lock:
             st = self.stats
-            st["prefills"] += len(groups)
-            st["prefill_tokens"] += int(sum(len(g.request.prompts[g.index]) for g in groups))
-            st["prefill_padded_tokens"] += p * width
+            st["prefills"] += len(admitted)
+            st["prefill_tokens"] += int(sum(p.size for p in prompts))
+            st["prefill_padded_tokens"] += tokens.size
             st["tokens_generated"] += len(rows)
-            self._programs_seen(("prefill", p, width), ("admit", self.cache.shape, p, width, n,
-                                                        plan, params.stop_ids.shape))
+            self._programs_seen(("prefill", tokens.shape),
+                                ("admit", self.cache.shape, tokens.shape, n, plan,
+                                 params.stop_ids.shape))
 
     def _row_params(self, rows: list[_Row], size: int) -> tuple[_programs.RowParams, SamplePlan]:
         """Per-row sampling arrays padded to ``size`` rows, and the batch's `SamplePlan`."""

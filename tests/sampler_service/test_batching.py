@@ -17,6 +17,7 @@ from test_engine import PROMPTS, greedy_reference, make_engine, tiny_model
 
 from sampler_service.requests import PinnedWeights
 from sampler_service.sampling import SamplingOptions
+from sampler_service.scheduler import pack_prompts
 from splitrl.config import MeshConfig
 from splitrl.mesh import build_mesh
 
@@ -60,6 +61,21 @@ def step_until(engine, condition, max_steps=500):
 
 def greedy(k):
     return SamplingOptions(greedy=True, max_new_tokens=k)
+
+
+def test_prompts_are_packed_first_fit_by_decreasing_length():
+    prompts = [np.arange(1, n + 1) for n in (20, 9, 30, 3, 2, 17, 16)]
+    tokens, positions, segments, starts = pack_prompts(prompts, max_width=256, pad=0)
+    # Width 32 (the longest prompt's power of two): [30, 2], [20, 9, 3], [17], [16] -> 4 rows.
+    assert tokens.shape == (4, 32)
+    assert segments[0].tolist() == [2] * 30 + [4] * 2
+    assert segments[1].tolist() == [0] * 20 + [1] * 9 + [3] * 3
+    assert segments[2].tolist() == [5] * 17 + [-1] * 15
+    for i, p in enumerate(prompts):
+        flat = tokens.reshape(-1)[starts[i]:starts[i] + p.size]
+        np.testing.assert_array_equal(flat, p)
+        np.testing.assert_array_equal(positions.reshape(-1)[starts[i]:starts[i] + p.size],
+                                      np.arange(p.size))
 
 
 def test_greedy_is_the_reference_for_requests_that_join_a_running_batch(setup):
