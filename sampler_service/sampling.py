@@ -271,13 +271,15 @@ class SamplePlan:
 
     k_cap: top-k candidates computed (>= every top-k row's k; 0 = no row uses top-k);
     full: some sampled row draws from the whole vocabulary (its top_k is 0); top_p: some row
-    has top_p < 1; sampled: some row is not greedy (else only argmax runs).
+    has top_p < 1; sampled: some row is not greedy (else only argmax runs); greedy: some row
+    is greedy.
     """
 
     k_cap: int = 0
     full: bool = False
     top_p: bool = False
     sampled: bool = True
+    greedy: bool = True  # some row is greedy (else no argmax is computed)
 
 
 def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, top_p, greedy,
@@ -293,7 +295,8 @@ def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, t
     `log_softmax(logits / logprob_temperature)` at the chosen token.
     """
     logits = logits.astype(jnp.float32)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = (jnp.argmax(logits, axis=-1).astype(jnp.int32)
+              if plan.greedy or not plan.sampled else None)
     if plan.sampled:
         scaled = scale_logits(logits, temperature)
         use_top_p = _per_row(top_p) < 1.0 if plan.top_p else None
@@ -311,8 +314,8 @@ def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, t
                 scaled = jnp.where(use_top_p, top_p_filter(scaled, top_p), scaled)
             whole = inverse_cdf_sample(scaled, u)
             drawn = whole if drawn is None else jnp.where(top_k > 0, drawn, whole)
-        if drawn is not None:
-            tokens = jnp.where(greedy, tokens, drawn.astype(jnp.int32))
+        drawn = drawn.astype(jnp.int32)
+        tokens = drawn if tokens is None else jnp.where(greedy, tokens, drawn)
     return tokens, token_logprobs(logits, tokens, logprob_temperature)
 
 
@@ -324,7 +327,8 @@ def sample_tokens(logits: jax.Array, u: jax.Array | None, *, temperature, top_k:
     uniforms u; or argmax when greedy."""
     r, v = logits.shape
     k = top_k if 0 < top_k < v else 0
-    plan = SamplePlan(k_cap=k, full=k == 0, top_p=use_top_p, sampled=not greedy)
+    plan = SamplePlan(k_cap=k, full=k == 0, top_p=use_top_p, sampled=not greedy,
+                      greedy=greedy)
 
     def rows(x, dtype=jnp.float32):
         return jnp.broadcast_to(jnp.asarray(x, dtype), (r,))

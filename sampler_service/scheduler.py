@@ -466,7 +466,7 @@ class Scheduler:
                           if ks.size and ks.max() > 0 else 0,
                           full=bool(ks.size and (ks == 0).any()),
                           top_p=bool((top_p[:len(rows)][sampled] < 1.0).any()),
-                          sampled=bool(sampled.any()))
+                          sampled=bool(sampled.any()), greedy=bool(greedy[:len(rows)].any()))
         params = _programs.RowParams(seeds, samples, versions, temperature, top_k, top_p, greedy,
                                      lp_temp, max_new, stop_ids)
         return params, plan
