@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _main() -> None:
@@ -13,7 +14,7 @@ def _main() -> None:
     parser.add_argument("--config", default=None, help="YAML config file (default: defaults)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward.workers=4")
     args = parser.parse_args()
-    main(load_config(args.config, args.overrides))
+    sys.exit(main(load_config(args.config, args.overrides)))
 
 
 # Worker processes re-import the main module; only the real entry point may start a server.

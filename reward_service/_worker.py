@@ -1,16 +1,18 @@
 """The scoring loop that runs inside each worker process (the parent side is ``pool.py``).
 
 Protocol on the worker's pipe:
-    parent -> worker: a chunk ``[(task_id, function_index, item), ...]`` or ``None`` to exit;
+    parent -> worker: a chunk ``[(task_id, function_index, items), ...]`` or ``None`` to exit,
+    where ``items`` is one batch (a prompt's group of completions, or a single item);
     worker -> parent: ``("ready", pid)`` once, or ``("init_error", message)``; then lists
-    of ``(task_id, score, reason, status, seconds)`` in task order: results are flushed at the
-    end of each chunk and at least every ``FLUSH_S`` (a message per result would wake the
-    parent for every item, which costs more than the scoring on a busy machine).
+    of ``(task_id, [(score, reason, status), ...], seconds)`` in task order: results are
+    flushed at the end of each chunk and at least every ``FLUSH_S`` (a message per result
+    would wake the parent for every batch, which costs more than the scoring on a busy machine).
 
-Each call runs under a soft time limit: ``setitimer`` raises :class:`ItemTimeout` (a
-``BaseException``, so ``except Exception`` in user code or math-verify cannot swallow it). Code
-that never returns to the interpreter (a huge integer power in C) or ignores the signal is
-killed by the parent at the hard deadline.
+Each call (one function on one batch) runs under a soft time limit: ``setitimer`` raises
+:class:`ItemTimeout` (a ``BaseException``, so ``except Exception`` in user code or math-verify
+cannot swallow it). Code that never returns to the interpreter (a huge integer power in C) or
+ignores the signal is killed by the parent at the hard deadline. A call that fails (raises,
+times out, returns the wrong number of scores) fails for every item of its batch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from reward_service.registry import FunctionSpec, resolve
+from splitrl.reward_protocol import ERROR_PREFIX, NO_SCORE, NONFINITE_PREFIX, TIMEOUT
 
 MAX_REASON_CHARS = 300
 FLUSH_S = 0.02
@@ -41,55 +44,63 @@ def short(text: str, limit: int = MAX_REASON_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def call_one(fn, item: dict[str, Any]) -> Any:
-    """Call a reward function on one item, with metadata as one-element lists (TRL style)."""
-    kwargs = {key: [value] for key, value in item["metadata"].items()}
-    kwargs["completion_tokens"] = [item["completion_tokens"]]
-    kwargs["truncated"] = [item["truncated"]]
-    return fn([item["prompt"]], [item["completion"]], [item["reference"]], **kwargs)
+def check_results(out: Any, n: int) -> list[tuple[float, str, str]]:
+    """(score, reason, status) per completion from what a function returned for ``n``."""
+    if isinstance(out, (str, bytes, dict)) or not isinstance(out, Sequence) and not hasattr(
+        out, "__len__"
+    ):
+        wanted = "a list with one score" if n == 1 else f"a list of {n} scores"
+        reason = f"{ERROR_PREFIX}expected {wanted}, got {type(out).__name__}"
+        return [(0.0, reason, "error")] * n
+    if len(out) != n:
+        noun = "completion" if n == 1 else "completions"
+        return [(0.0, f"{ERROR_PREFIX}returned {len(out)} scores for {n} {noun}", "error")] * n
+    return [check_value(out[i]) for i in range(n)]
+
+
+def check_value(value: Any) -> tuple[float, str, str]:
+    """(score, reason, status) of one returned value."""
+    if value is None:
+        return 0.0, NO_SCORE, "ok"
+    if isinstance(value, (str, bytes)):  # float("1") works, but a string is not a score
+        return 0.0, f"{ERROR_PREFIX}score is not a number: {type(value).__name__}", "error"
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        return 0.0, f"{ERROR_PREFIX}score is not a number: {type(value).__name__}", "error"
+    if not math.isfinite(score):
+        return 0.0, f"{NONFINITE_PREFIX}{score}", "nonfinite"
+    return score, str(getattr(value, "reason", "") or ""), "ok"
 
 
 def check_result(out: Any) -> tuple[float, str, str]:
     """(score, reason, status) from what a function returned for one completion."""
-    if isinstance(out, (str, bytes)) or not isinstance(out, Sequence) and not hasattr(
-        out, "__len__"
-    ):
-        return 0.0, f"error: expected a list with one score, got {type(out).__name__}", "error"
-    if len(out) != 1:
-        return 0.0, f"error: returned {len(out)} scores for 1 completion", "error"
-    value = out[0]
-    if value is None:
-        return 0.0, "no score (None)", "ok"
-    try:
-        score = float(value)
-    except (TypeError, ValueError):
-        return 0.0, f"error: score is not a number: {type(value).__name__}", "error"
-    if not math.isfinite(score):
-        return 0.0, f"non-finite score: {score}", "nonfinite"
-    return score, str(getattr(value, "reason", "") or ""), "ok"
+    return check_results(out, 1)[0]
 
 
-def score_task(fn, item: dict[str, Any], timeout_s: float) -> tuple[float, str, str]:
-    """Score one item with one function under a soft time limit; never raises."""
+def score_batch(fn, items: list[dict[str, Any]],
+                timeout_s: float) -> list[tuple[float, str, str]]:
+    """Score one batch with one function under a soft time limit; never raises."""
+    n = len(items)
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
-            out = call_one(fn, item)
+            out = fn.score_batch(items)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
-        return check_result(out)
+        return check_results(out, n)
     except ItemTimeout:
-        return 0.0, "timeout", "timeout"
+        return [(0.0, TIMEOUT, "timeout")] * n
     except RecursionError:
-        return 0.0, "error: RecursionError: input nested too deeply", "error"
+        return [(0.0, f"{ERROR_PREFIX}RecursionError: input nested too deeply", "error")] * n
     except MemoryError:
-        return 0.0, "error: MemoryError: worker memory limit reached", "error"
+        return [(0.0, f"{ERROR_PREFIX}MemoryError: worker memory limit reached", "error")] * n
     except BaseException as e:  # noqa: BLE001 - user code may raise anything, even SystemExit
         try:
-            message = short(f"error: {type(e).__name__}: {e}")
+            message = short(f"{ERROR_PREFIX}{type(e).__name__}: {e}")
         except BaseException:  # noqa: BLE001 - str() of an exception can fail too
-            message = f"error: {type(e).__name__}"
-        return 0.0, message, "error"
+            message = f"{ERROR_PREFIX}{type(e).__name__}"
+        return [(0.0, message, "error")] * n
 
 
 def worker_main(conn, specs: Sequence[FunctionSpec], memory_mb: int | None) -> None:
@@ -115,13 +126,13 @@ def worker_main(conn, specs: Sequence[FunctionSpec], memory_mb: int | None) -> N
         if chunk is None:
             return
         results, flushed = [], time.perf_counter()
-        for task_id, index, item in chunk:
+        for task_id, index, items in chunk:
             start = time.perf_counter()
             # A function may reset SIGALRM's handler (math-verify does); restore ours.
             signal.signal(signal.SIGALRM, _on_alarm)
-            score, reason, status = score_task(fns[index], item, specs[index].timeout_s)
+            outcomes = score_batch(fns[index], items, specs[index].timeout_s)
             end = time.perf_counter()
-            results.append((task_id, score, reason, status, end - start))
+            results.append((task_id, outcomes, end - start))
             if end - flushed >= FLUSH_S:
                 conn.send(results)
                 results, flushed = [], end

@@ -1,20 +1,22 @@
-"""A pool of scoring processes with per-item time limits; hung workers are killed and replaced.
+"""A pool of scoring processes with per-call time limits; hung workers are killed and replaced.
 
 Why processes: reward functions are user code and symbolic math. They hang, crash, leak memory
 and (math-verify) rely on ``signal.alarm``, which only works in a process's main thread. So each
-(item, function) task runs in a worker process, under
+task, one function called once on one batch of items (a prompt's group of completions, or a
+single item), runs in a worker process, under
 
 - a *soft* limit of ``timeout_s``: the worker's own timer interrupts the call (``_worker.py``);
 - a *hard* limit of ``timeout_s + kill_grace_s``: the parent kills the worker (SIGKILL) and
   starts a replacement. Code stuck in C (``9^{9^{9^{9}}}``) is only stopped this way.
 
-Either way the task scores 0 with reason ``"timeout"``. A worker that dies (segfault, ``os._exit``,
-out of memory) gives ``"error: worker died ..."`` for its current task; the rest of its chunk is
-queued again. Nothing a request contains can take the pool down.
+Either way every item of the task scores 0 with reason ``"timeout"``: no worker is held longer
+than the hard limit, whatever the batch contains. A worker that dies (segfault, ``os._exit``,
+out of memory) gives ``"error: worker died ..."`` for the items of its current task; the rest of
+its chunk is queued again. Nothing a request contains can take the pool down.
 
-One dispatcher thread owns the workers. Callers (gRPC handler threads) submit a batch of tasks
-and wait; tasks from all batches share one FIFO queue and go to idle workers in chunks (several
-tasks per message amortise pickling and wake-ups; an item shared by several functions is
+One dispatcher thread owns the workers. Callers (gRPC handler threads) submit a request's tasks
+and wait; tasks from all requests share one FIFO queue and go to idle workers in chunks (several
+tasks per message amortise pickling and wake-ups; a batch shared by several functions is
 pickled once per chunk). Workers are started with the ``forkserver`` method: the forkserver is a
 clean single-threaded process with math-verify already imported, so a replacement is ready in
 milliseconds and never inherits the gRPC server's threads.
@@ -59,7 +61,9 @@ class Outcome:
 
 @dataclass
 class _Batch:
-    outcomes: list[Outcome | None]
+    """The tasks of one ``score`` call; ``outcomes[i]`` holds task i's outcome per item."""
+
+    outcomes: list[list[Outcome] | None]
     remaining: int
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
@@ -70,7 +74,7 @@ class _Task:
     batch: _Batch
     index: int
     fn: int
-    item: dict[str, Any]
+    items: list[dict[str, Any]]
     copied: bool = False  # queued again while waiting behind a slow task on another worker
 
     @property
@@ -118,9 +122,10 @@ class WorkerPool:
 
     # ------------------------------------------------------------------ public
 
-    def score(self, tasks: Sequence[tuple[int, dict[str, Any]]],
-              cancelled: Callable[[], bool] | None = None) -> list[Outcome]:
-        """Outcomes of ``(function index, item)`` tasks, in order. Blocks until all finish.
+    def score(self, tasks: Sequence[tuple[int, list[dict[str, Any]]]],
+              cancelled: Callable[[], bool] | None = None) -> list[list[Outcome]]:
+        """Outcomes of ``(function index, items)`` tasks, one per item, in order. Blocks until
+        all finish.
 
         ``cancelled`` is polled; once it returns True the tasks not yet started are dropped
         (status ``cancelled``), e.g. when a gRPC client has gone away.
@@ -131,7 +136,8 @@ class WorkerPool:
         if not tasks:
             return []
         with self._lock:
-            self._queue.extend(_Task(batch, i, fn, item) for i, (fn, item) in enumerate(tasks))
+            self._queue.extend(_Task(batch, i, fn, list(items))
+                               for i, (fn, items) in enumerate(tasks))
         self._wake()
         while not batch.done.wait(0.2):
             if not self._thread.is_alive():
@@ -167,7 +173,7 @@ class WorkerPool:
         with self._lock:
             pending, self._queue = list(self._queue), collections.deque()
         for task in pending:
-            self._finish(task, Outcome(0.0, "cancelled", "cancelled"))
+            self._finish(task, _same(task, Outcome(0.0, "cancelled", "cancelled")))
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -222,12 +228,12 @@ class WorkerPool:
         except (OSError, ValueError):
             pass
 
-    def _finish(self, task: _Task, outcome: Outcome) -> bool:
-        """Record a task's outcome; False if it already had one (a copy finished first)."""
+    def _finish(self, task: _Task, outcomes: list[Outcome]) -> bool:
+        """Record a task's outcomes; False if it already had them (a copy finished first)."""
         batch = task.batch
         if batch.outcomes[task.index] is not None:
             return False
-        batch.outcomes[task.index] = outcome
+        batch.outcomes[task.index] = outcomes
         batch.remaining -= 1
         if batch.remaining == 0:
             batch.done.set()
@@ -243,7 +249,7 @@ class WorkerPool:
                 if task.done:
                     continue
                 if task.batch.cancelled:
-                    self._finish(task, Outcome(0.0, "cancelled", "cancelled"))
+                    self._finish(task, _same(task, Outcome(0.0, "cancelled", "cancelled")))
                 else:
                     chunk.append(task)
             return chunk
@@ -263,7 +269,7 @@ class WorkerPool:
                 chunk = self._next_chunk()
             if not chunk:
                 return
-            message = [(w.sent + n, t.fn, t.item) for n, t in enumerate(chunk)]
+            message = [(w.sent + n, t.fn, t.items) for n, t in enumerate(chunk)]
             if not w.inflight:
                 w.task_started = time.monotonic()
             w.inflight.extend(chunk)
@@ -299,8 +305,9 @@ class WorkerPool:
         task = w.inflight[0] if w.inflight else None
         if task is not None:
             spent = time.monotonic() - w.task_started
-            if self._finish(task, Outcome(0.0, reason, status, spent)):
-                self.on_event(status, self.specs[task.fn].name)
+            if self._finish(task, _same(task, Outcome(0.0, reason, status, spent))):
+                for _ in task.items:
+                    self.on_event(status, self.specs[task.fn].name)
             self._requeue_rest(w)
         self._replace(w)
 
@@ -320,16 +327,20 @@ class WorkerPool:
                 log.error("replacement worker failed to start", extra={"error": message[1]})
                 self._replace(w)
             return
-        for task_id, score, reason, status, seconds in message:
-            if task_id != w.answered or not w.inflight:
+        for task_id, results, seconds in message:
+            if task_id != w.answered or not w.inflight or len(results) != len(w.inflight[0].items):
                 log.error("worker answered out of order",
                           extra={"got": task_id, "want": w.answered})
                 self._worker_lost(w, "error: worker protocol error")
                 return
             task = w.inflight.popleft()
             w.answered += 1
-            if self._finish(task, Outcome(score, reason, status, seconds)) and status != "ok":
-                self.on_event(status, self.specs[task.fn].name)
+            outcomes = [Outcome(score, reason, status, seconds)
+                        for score, reason, status in results]
+            if self._finish(task, outcomes):
+                for outcome in outcomes:
+                    if outcome.status != "ok":
+                        self.on_event(outcome.status, self.specs[task.fn].name)
         w.task_started = time.monotonic()
 
     def _run(self) -> None:
@@ -369,3 +380,8 @@ class WorkerPool:
             elif not w.ready and now > w.started + START_TIMEOUT_S:
                 log.error("replacement worker did not start in time; retrying")
                 self._replace(w)
+
+
+def _same(task: _Task, outcome: Outcome) -> list[Outcome]:
+    """``outcome`` for every item of ``task`` (a failed call fails for its whole batch)."""
+    return [outcome] * len(task.items)

@@ -1,12 +1,11 @@
 """Reward functions by name: built-ins registered here, user functions from ``module:function``.
 
-A reward function has the shape TRL and EasyDeL users know::
+A reward function scores a batch of completions and returns one float (or ``None``) per
+completion. Three calling conventions are accepted, told apart by the signature (see
+``conventions.py``): TRL's (``f(completions, **kwargs)``, keyword arguments, every dataset
+column), EasyDeL's (``f(prompts, completions, batch, **kwargs)``) and ours::
 
-    f(prompts: list[str], completions: list[str], references: list[str], **metadata) -> list[float]
-
-one float per completion. Metadata arrives as keyword arguments holding one value per
-completion (``completion_tokens``, ``truncated`` and every key of the item's ``metadata`` map);
-a function that does not take ``**kwargs`` only receives the keywords it names.
+    f(prompts: list[str], completions: list[str], references: list[str], **kwargs) -> list[float]
 
 A function may explain a score by returning a :class:`RewardValue` (a ``float`` with a
 ``reason``), e.g. ``RewardValue.zero("no answer found")``; the reason travels in the reply.
@@ -25,12 +24,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-RewardFn = Callable[..., Sequence[float]]
+from reward_service import conventions
+from splitrl.reward_protocol import RESERVED_KEYWORDS  # noqa: F401  (re-exported)
 
-# Keyword arguments the service itself passes; item metadata may not use these names.
-RESERVED_KEYWORDS = frozenset(
-    {"prompts", "completions", "references", "completion_tokens", "truncated"}
-)
+RewardFn = Callable[..., Sequence[float]]
+# Item fields a direct call (RewardFunction.__call__) may pass as keyword lists; any other
+# keyword is a dataset column.
+_ITEM_FIELDS = ("completion_tokens", "truncated", "completion_ids", "prompt_messages",
+                "weight_version")
 
 
 class RewardValue(float):
@@ -89,6 +90,13 @@ def builtin_names() -> list[str]:
     return sorted(_BUILTINS)
 
 
+def builtin_options(name: str) -> dict[str, Any]:
+    """A built-in's options and their defaults (``inspect.Parameter.empty`` if required)."""
+    _load_builtins()
+    params = inspect.signature(_BUILTINS[name].factory).parameters.values()
+    return {p.name: p.default for p in params}
+
+
 def _load_builtins() -> None:
     # The built-in modules register themselves on import.
     from reward_service import functions, math_accuracy  # noqa: F401
@@ -101,9 +109,9 @@ def _import_target(target: str) -> Callable:
                          f"({', '.join(builtin_names())}) or 'module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
         raise ValueError(f"reward function {target!r}: cannot import module "
-                         f"{module_name!r}: {e}") from None
+                         f"{module_name!r}: {type(e).__name__}: {e}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -115,37 +123,72 @@ def _import_target(target: str) -> Callable:
     return obj
 
 
-def _accepting_keywords(fn: Callable) -> Callable:
-    """Wrap ``fn`` so that it only receives the keyword arguments its signature accepts."""
+class RewardFunction:
+    """A loaded reward function: the callable (options bound) and its calling convention.
+
+    ``score_batch(items)`` calls it once on a batch of item payloads (``scoring.Item``) the way
+    its convention wants. Calling the object itself takes our convention whatever the
+    function's (``f(prompts, completions, references, **columns)`` with one value per
+    completion), which is handy in tests and notebooks.
+    """
+
+    def __init__(self, name: str, fn: Callable, signature: conventions.Signature):
+        self.name = name
+        self.fn = fn
+        self.signature = signature
+
+    @property
+    def style(self) -> conventions.Style:
+        return self.signature.style
+
+    def score_batch(self, items: Sequence[dict[str, Any]]) -> Any:
+        return conventions.call(self.fn, self.signature, items)
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str],
+                 references: Sequence[str], **kwargs: Sequence[Any]) -> Any:
+        items = []
+        for i, completion in enumerate(completions):
+            item: dict[str, Any] = {
+                "prompt": prompts[i], "completion": completion, "reference": references[i],
+                "completion_tokens": 0, "truncated": False, "metadata": {}, "columns": {}}
+            for key, values in kwargs.items():
+                if key in _ITEM_FIELDS:
+                    item[key] = values[i]
+                else:
+                    item["columns"][key] = values[i]
+            items.append(item)
+        return self.score_batch(items)
+
+    def __repr__(self) -> str:
+        return f"RewardFunction({self.name!r}, {self.signature.describe()})"
+
+
+def _load(name: str, fn: Callable, options: dict[str, Any]) -> RewardFunction:
     try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return fn
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return fn
-    names = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-
-    @functools.wraps(fn)
-    def call(prompts, completions, references, **kwargs):
-        return fn(prompts, completions, references,
-                  **{k: v for k, v in kwargs.items() if k in names})
-
-    return call
+        signature = conventions.detect(fn)
+    except ValueError as e:
+        raise ValueError(f"reward function {name!r}: {e}") from None
+    if options:
+        unknown = sorted(set(options) - signature.names)
+        if unknown and not signature.takes_var_keyword:
+            raise ValueError(f"reward function {name!r}: bad options {options}: it takes no "
+                             f"argument {unknown[0]!r} (signature {signature.text})")
+        fn = functools.partial(fn, **options)
+        signature = conventions.detect(fn)
+    return RewardFunction(name, fn, signature)
 
 
-def resolve(name: str, options: dict[str, Any] | None = None) -> RewardFn:
-    """The callable for a configured function; raises ValueError naming what is wrong."""
+def resolve(name: str, options: dict[str, Any] | None = None) -> RewardFunction:
+    """The loaded function for a configured name; raises ValueError naming what is wrong."""
     _load_builtins()
     options = dict(options or {})
     if name in _BUILTINS:
         try:
-            return _accepting_keywords(_BUILTINS[name].factory(**options))
+            fn = _BUILTINS[name].factory(**options)
         except TypeError as e:
             raise ValueError(f"reward function {name!r}: bad options {options}: {e}") from None
-    fn = _import_target(name)
-    if options:
-        fn = functools.partial(fn, **options)
-    return _accepting_keywords(fn)
+        return _load(name, fn, {})
+    return _load(name, _import_target(name), options)
 
 
 def describe(name: str) -> str:

@@ -1,13 +1,37 @@
-"""Configured reward functions + the worker pool: items in, per-function scores and totals out."""
+"""Configured reward functions + the worker pool: items in, per-function scores and totals out.
+
+Items that share a ``group_id`` (a prompt's completions) are scored in one call of each
+function, as TRL and EasyDeL call reward functions; an item without one is a call of its own.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from reward_service.pool import WorkerPool
-from reward_service.registry import FunctionSpec, describe, resolve
+from reward_service.registry import FunctionSpec, RewardFunction, describe, resolve
 from splitrl.config import RewardConfig
+
+log = logging.getLogger(__name__)
+
+
+def group_items(items: Sequence[Item]) -> list[list[int]]:
+    """Indices of the items scored together: one list per non-empty ``group_id`` (in order of
+    first appearance, items in request order), one list per item without a group."""
+    groups: dict[str, list[int]] = {}
+    out: list[list[int]] = []
+    for i, item in enumerate(items):
+        if not item.group_id:
+            out.append([i])
+        elif item.group_id in groups:
+            groups[item.group_id].append(i)
+        else:
+            groups[item.group_id] = [i]
+            out.append(groups[item.group_id])
+    return out
 
 
 class RequestError(ValueError):
@@ -25,11 +49,19 @@ class Item:
     truncated: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     item_id: str = ""
+    columns: dict[str, Any] = field(default_factory=dict)  # dataset columns, typed
+    prompt_messages: list[dict[str, str]] | None = None  # conversational prompt
+    group_id: str = ""  # items of one prompt: scored in one call per function
+    completion_ids: list[int] = field(default_factory=list)
+    weight_version: int = 0
 
     def payload(self) -> dict:
         return {"prompt": self.prompt, "completion": self.completion,
                 "reference": self.reference, "completion_tokens": self.completion_tokens,
-                "truncated": self.truncated, "metadata": dict(self.metadata)}
+                "truncated": self.truncated, "metadata": dict(self.metadata),
+                "columns": dict(self.columns), "prompt_messages": self.prompt_messages,
+                "completion_ids": list(self.completion_ids),
+                "weight_version": self.weight_version}
 
 
 @dataclass
@@ -43,6 +75,12 @@ class ItemResult:
 
 def specs_from_config(cfg: RewardConfig) -> list[FunctionSpec]:
     """The configured functions, checked: unique names, loadable, valid options."""
+    return [spec for spec, _ in load_config_functions(cfg)]
+
+
+def load_config_functions(cfg: RewardConfig) -> list[tuple[FunctionSpec, RewardFunction]]:
+    """Each configured function's spec and loaded function (with its detected calling
+    convention); ValueError naming the entry that is wrong."""
     specs, seen = [], set()
     for i, f in enumerate(cfg.functions):
         if f.name in seen:
@@ -52,10 +90,10 @@ def specs_from_config(cfg: RewardConfig) -> list[FunctionSpec]:
         if timeout <= 0:
             raise ValueError(f"reward.functions[{i}].timeout_s: expected > 0, got {timeout}")
         try:
-            resolve(f.name, f.options)
+            fn = resolve(f.name, f.options)
         except ValueError as e:
             raise ValueError(f"reward.functions[{i}]: {e}") from None
-        specs.append(FunctionSpec(f.name, f.weight, float(timeout), dict(f.options)))
+        specs.append((FunctionSpec(f.name, f.weight, float(timeout), dict(f.options)), fn))
     if not specs:
         raise ValueError("reward.functions: expected at least one reward function")
     return specs
@@ -66,14 +104,21 @@ class RewardScorer:
 
     def __init__(self, cfg: RewardConfig, *, start_method: str = "forkserver",
                  on_event: Callable[[str, str], None] | None = None):
-        self.specs = specs_from_config(cfg)
+        loaded = load_config_functions(cfg)
+        self.specs = [spec for spec, _ in loaded]
+        self.styles = {spec.name: fn.signature for spec, fn in loaded}
+        for spec, fn in loaded:
+            log.info("reward function loaded", extra={
+                "function": spec.name, "style": fn.style, "signature": fn.signature.text,
+                "weight": spec.weight, "timeout_s": spec.timeout_s})
         self._index = {s.name: i for i, s in enumerate(self.specs)}
         self.pool = WorkerPool(self.specs, cfg.workers, kill_grace_s=cfg.kill_grace_s,
                                memory_mb=cfg.worker_memory_mb, start_method=start_method,
                                on_event=on_event)
 
-    def describe(self) -> list[tuple[FunctionSpec, str]]:
-        return [(s, describe(s.name)) for s in self.specs]
+    def describe(self) -> list[tuple[FunctionSpec, str, str]]:
+        """(spec, description, calling convention) of each configured function."""
+        return [(s, describe(s.name), self.styles[s.name].style) for s in self.specs]
 
     def select(self, names: Sequence[str]) -> list[int]:
         """Indices of the requested functions (all configured ones when ``names`` is empty)."""
@@ -92,16 +137,23 @@ class RewardScorer:
     def score(self, items: Sequence[Item], functions: Sequence[str] = (),
               cancelled: Callable[[], bool] | None = None) -> list[ItemResult]:
         chosen = self.select(functions)
+        groups = group_items(items)
         tasks = []
-        for item in items:
-            payload = item.payload()  # shared by the item's tasks: pickled once per chunk
-            tasks.extend((fn, payload) for fn in chosen)
-        outcomes = self.pool.score(tasks, cancelled)
+        for members in groups:
+            batch = [items[i].payload() for i in members]  # shared: pickled once per chunk
+            tasks.extend((fn, batch) for fn in chosen)
+        results_per_task = self.pool.score(tasks, cancelled)
+        outcome_of: dict[tuple[int, int], Any] = {}
+        for g, members in enumerate(groups):
+            for k, fn in enumerate(chosen):
+                for item_index, outcome in zip(members, results_per_task[g * len(chosen) + k],
+                                               strict=True):
+                    outcome_of[item_index, fn] = outcome
         results = []
         for n, item in enumerate(items):
             scores, reasons, statuses, total = {}, {}, {}, 0.0
-            for k, fn in enumerate(chosen):
-                spec, outcome = self.specs[fn], outcomes[n * len(chosen) + k]
+            for fn in chosen:
+                spec, outcome = self.specs[fn], outcome_of[n, fn]
                 scores[spec.name] = outcome.score
                 statuses[spec.name] = outcome.status
                 total += spec.weight * outcome.score

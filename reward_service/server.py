@@ -2,9 +2,11 @@
 
 Requests are checked before any work starts, with a status that names the field:
 RESOURCE_EXHAUSTED when ``items`` exceeds ``reward.max_items_per_request`` or the request exceeds
-``reward.max_request_bytes``; INVALID_ARGUMENT for an unknown or repeated function name or a
-metadata key that collides with a reserved keyword. Anything a completion contains is the
-workers' problem, never the server's: it scores 0 with a reason (``reward_service.pool``).
+``reward.max_request_bytes``; INVALID_ARGUMENT for an unknown or repeated function name, a
+metadata key or column that collides with a reserved keyword, ``columns_json`` that is not a
+JSON object, or a ``group_id`` shared by items of different prompts. Anything a completion
+contains is the workers' problem, never the server's: it scores 0 with a reason
+(``reward_service.pool``).
 Completions that are not valid UTF-8 arrive in ``completion_raw`` and are decoded with U+FFFD
 replacement characters.
 """
@@ -17,11 +19,11 @@ import time
 import grpc
 
 from reward_service import metrics
-from reward_service.registry import RESERVED_KEYWORDS
 from reward_service.scoring import Item, RequestError, RewardScorer
 from splitrl.config import Config, RewardConfig
 from splitrl.logs import configure_logging
 from splitrl.metrics import start_metrics_server
+from splitrl.reward_protocol import RESERVED_KEYWORDS, decode_columns
 from splitrl.serving import Server, serve_until_signal, start_server
 from splitrl.v1 import reward_pb2, reward_pb2_grpc
 
@@ -45,9 +47,31 @@ def item_from_proto(index: int, msg: reward_pb2.ScoreItem) -> Item:
         if key in RESERVED_KEYWORDS:
             raise RequestError(f"items[{index}].metadata[{key!r}]: reserved keyword (reserved: "
                                f"{', '.join(sorted(RESERVED_KEYWORDS))})")
+    try:
+        columns = decode_columns(msg.columns_json, f"items[{index}].columns_json")
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+    messages = [{"role": m.role, "content": m.content} for m in msg.prompt_messages] or None
     return Item(prompt=msg.prompt, completion=completion, reference=msg.reference,
                 completion_tokens=msg.completion_tokens, truncated=msg.truncated,
-                metadata=dict(msg.metadata), item_id=msg.item_id)
+                metadata=dict(msg.metadata), item_id=msg.item_id, columns=columns,
+                prompt_messages=messages, group_id=msg.group_id,
+                completion_ids=list(msg.completion_ids), weight_version=msg.weight_version)
+
+
+def check_groups(items: list[Item]) -> None:
+    """Items of one group are one prompt's completions: same prompt, reference and columns."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        if not item.group_id:
+            continue
+        j = first.setdefault(item.group_id, i)
+        head = items[j]
+        for name in ("prompt", "reference", "columns", "prompt_messages"):
+            if getattr(item, name) != getattr(head, name):
+                raise RequestError(
+                    f"items[{i}].group_id: {item.group_id!r} groups the completions of one "
+                    f"prompt, but items[{i}].{name} differs from items[{j}].{name}")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServicer):
@@ -72,6 +96,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         try:
             self.scorer.select(request.functions)
             items = [item_from_proto(i, m) for i, m in enumerate(request.items)]
+            check_groups(items)
         except RequestError as e:
             metrics.REQUESTS.labels("INVALID_ARGUMENT").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -94,9 +119,9 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
 
     def ListRewardFunctions(self, request, context):
         reply = reward_pb2.ListRewardFunctionsReply()
-        for spec, description in self.scorer.describe():
+        for spec, description, style in self.scorer.describe():
             reply.functions.add(name=spec.name, weight=spec.weight, description=description,
-                                timeout_s=spec.timeout_s)
+                                timeout_s=spec.timeout_s, style=style)
         return reply
 
 
@@ -121,10 +146,17 @@ def serve(config: Config, address: str | None = None) -> tuple[Server, RewardSco
     return server, scorer
 
 
-def main(config: Config) -> None:
-    """``splitrl reward``: serve until SIGTERM/SIGINT, then finish in-flight calls and exit."""
+def main(config: Config) -> int:
+    """``splitrl reward``: serve until SIGTERM/SIGINT, then finish in-flight calls and exit.
+
+    A function that cannot be loaded (a typo in a module name, an import error, bad options)
+    stops the service at start with exit code 2 and the reason logged (stderr)."""
     configure_logging("reward", config.run_name)
-    server, scorer = serve(config)
+    try:
+        server, scorer = serve(config)
+    except (ValueError, RuntimeError) as e:
+        log.error("reward service cannot start: %s", e)  # on stderr, one JSON line
+        return 2
     start_metrics_server(config.services.metrics_port)
     log.info("reward service ready", extra={
         "address": server.address, "workers": config.reward.workers,
@@ -133,3 +165,4 @@ def main(config: Config) -> None:
         serve_until_signal(server, grace_s=max(10.0, 2 * config.reward.timeout_s))
     finally:
         scorer.close()
+    return 0

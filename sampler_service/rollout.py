@@ -62,6 +62,8 @@ class PreparedPrompt:
     reference: str
     metadata: dict[str, str] = field(default_factory=dict)
     seed: int = 0  # the noise of its completions (see sampling.row_keys)
+    messages: list[dict[str, str]] | None = None  # sent as chat messages: for the rewards
+    columns_json: str = ""  # the row's dataset columns, passed on to the rewards
 
 
 class RewardClient:
@@ -231,12 +233,20 @@ class RolloutWorker:
                 raise RequestError(_INVALID, f"{where}: {e}") from None
             if not ids:
                 raise RequestError(_INVALID, f"{where}.{kinds[0]}: encodes to no tokens")
+        if prompt.columns_json:
+            from splitrl.reward_protocol import decode_columns
+
+            try:
+                decode_columns(prompt.columns_json, f"{where}.columns_json")
+            except ValueError as e:
+                raise RequestError(_INVALID, str(e)) from None
         if len(ids) + max_new_tokens > self.max_sequence_length:
             raise RequestError(_INVALID, f"{where}: prompt of {len(ids)} tokens + max_new_tokens "
                                f"{max_new_tokens} exceeds the sampler's max_sequence_length "
                                f"{self.max_sequence_length}")
         return PreparedPrompt(prompt.prompt_id or default_id, ids, text, prompt.reference,
-                              dict(prompt.metadata))
+                              dict(prompt.metadata), messages=messages if kinds[0] == "messages"
+                              else None, columns_json=prompt.columns_json)
 
     def check_min_version(self, min_version: int) -> None:
         version = self.weights.version
@@ -376,7 +386,11 @@ class RolloutWorker:
                     item_id=f"{group.index}:{j}", prompt=prompt.text, completion=text,
                     reference=prompt.reference, completion_tokens=len(seq.token_ids),
                     metadata=prompt.metadata, truncated=seq.finish_reason == "length",
-                    completion_raw=raw or b""))
+                    completion_raw=raw or b"",
+                    # One call per function scores the prompt's group, with its columns.
+                    group_id=str(i), columns_json=prompt.columns_json,
+                    prompt_messages=prompt.messages or (), completion_ids=seq.token_ids,
+                    weight_version=result.version))
             completions.append(done)
         start = time.perf_counter()
         scores = self.reward.score(items, request.reward_functions)

@@ -100,6 +100,62 @@ def _demo(args: argparse.Namespace) -> int | None:
     return demo(load_config(args.config or demo_config_path(), args.overrides))
 
 
+def _list_rewards(args: argparse.Namespace) -> int:
+    import inspect
+
+    from reward_service.registry import builtin_names, builtin_options, describe
+
+    print("Built-in reward functions (reward.functions[].name; options go in .options):")
+    for name in builtin_names():
+        print(f"  {name:<14}{describe(name)}")
+        options = [k if v is inspect.Parameter.empty else f"{k}={v!r}"
+                   for k, v in builtin_options(name).items()]
+        print(f"  {'':<14}options: {', '.join(options) or '(none)'}")
+    print("\nYour own: name: 'module:function' (importable by the reward service), in any of")
+    print("  TRL's      f(completions, **kwargs)   keywords: prompts, completions, completion_ids,")
+    print("             trainer_state, reference and every dataset column")
+    print("  EasyDeL's  f(prompts, completions, batch, **kwargs)")
+    print("  ours       f(prompts, completions, references, **kwargs)")
+    print("returning one float (or None) per completion. See docs/rewards.md.")
+    if not args.config and not args.overrides:
+        return 0
+    from reward_service.scoring import load_config_functions
+
+    cfg = _config(args)
+    where = (args.config or "the default config") + (" + overrides" if args.overrides else "")
+    print(f"\nConfigured (reward.functions) in {where}:")
+    try:
+        loaded = load_config_functions(cfg.reward)
+    except ValueError as e:
+        print(f"  cannot load: {e}", file=sys.stderr)
+        return 2
+    for spec, fn in loaded:
+        print(f"  {spec.name}  weight {spec.weight:g}, timeout {spec.timeout_s:g} s, "
+              f"{fn.signature.describe()}")
+    return 0
+
+
+def _list_tasks(args: argparse.Namespace) -> int:
+    from splitrl.tasks import describe_task, list_tasks
+
+    print("Tasks (trainer.data.task; options go in trainer.data.options, the data path in "
+          "trainer.data.path):")
+    for name in list_tasks():
+        info = describe_task(name)
+        print(f"\n  {name}: {info['description']}")
+        options = [f"{k}={v!r}" for k, v in info["options"].items()]
+        print(f"    options: {', '.join(options)}")
+        splits = ", ".join(info["splits"]) or "train (one file) or train, test (a folder)"
+        print(f"    splits: {splits}")
+        print(f"    reward functions it is meant for: {', '.join(info['reward_functions'])}")
+    print("\nSee docs/data.md (file layouts, columns, chat templates, prompt length).")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    return _list_rewards(args) if args.what == "rewards" else _list_tasks(args)
+
+
 def _plot(args: argparse.Namespace) -> int:
     return _call("trainer_service.plots:main")(args.run_dir)
 
@@ -165,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name", default=None,
                    help="name expected in the server's certificate (default: the host)")
     p.set_defaults(func=_health)
+
+    p = sub.add_parser("list", help="built-in reward functions (and, with --config, the "
+                       "configured ones and their calling style) or tasks")
+    p.add_argument("what", choices=["rewards", "tasks"])
+    _add_config_args(p)
+    p.set_defaults(func=_list)
 
     p = sub.add_parser("plot", help="draw a run's curves (reward, accuracy, KL, ...) to PNG")
     p.add_argument("run_dir")

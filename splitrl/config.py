@@ -110,6 +110,8 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 8
     stop_token_ids: list[int] = field(default_factory=list)
+    # Seed of requests whose prompts carry no seed of their own (Generate, evaluation tools).
+    # Training rollouts draw their noise from trainer.seed and each prompt's uid.
     seed: int = 0
 
     def __post_init__(self):
@@ -145,8 +147,26 @@ class RewardConfig:
     # Address-space limit per scoring worker (MiB; None = unlimited): a runaway computation
     # fails with MemoryError instead of exhausting the host.
     worker_memory_mb: int | None = 4096
+    # The function whose score measures correctness: evaluation accuracy and the training
+    # accuracy/mean metric are its mean score. None: the first of ``functions``.
+    accuracy_function: str | None = None
+    # The trainer's error policy (docs/rewards.md): the run stops when a function fails (raises,
+    # returns the wrong number of scores or a non-number, times out) on more than this fraction
+    # of a step's completions; on the run's first batch, errors are held to
+    # first_batch_max_error_fraction (0: any error stops the run before it trains on it).
+    max_error_fraction: float = 0.1
+    first_batch_max_error_fraction: float = 0.0
 
     def __post_init__(self):
+        names = [f.name for f in self.functions]
+        if self.accuracy_function is not None and self.accuracy_function not in names:
+            raise ConfigError(f"reward.accuracy_function: expected one of the configured "
+                              f"functions {names}, got {self.accuracy_function!r}")
+        for key in ("max_error_fraction", "first_batch_max_error_fraction"):
+            value = getattr(self, key)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"reward.{key}: expected a fraction in [0, 1] (1 = never "
+                                  f"stop), got {value!r}")
         _check_positive("reward.workers", self.workers)
         _check_positive("reward.timeout_s", self.timeout_s)
         _check_positive("reward.kill_grace_s", self.kill_grace_s)
@@ -158,7 +178,7 @@ class AlgorithmConfig:
     """The RL objective. Every GRPO-family variant is a combination of these switches."""
 
     loss: Literal["grpo", "gspo", "gspo-token"] = "grpo"
-    advantage: Literal["grpo", "drgrpo"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     advantage_std: Literal["group", "batch"] = "group"
     aggregation: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"
@@ -172,13 +192,19 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     tis_cap: float | None = 2.0
     logratio_clamp: float = 20.0
+    # DAPO's dynamic sampling: groups whose rewards are all equal are not trained on; the
+    # trainer draws more prompts until a step has prompts_per_step groups with signal, at most
+    # max_extra_draws more per step (None: 3 x prompts_per_step), then trains on what it has.
     filter_zero_variance: bool = False
+    max_extra_draws: int | None = None
     entropy_coef: float = 0.0
     group_size: int = 16
 
     def __post_init__(self):
         _check_positive("algorithm.beta", self.beta, allow_zero=True)
         _check_positive("algorithm.group_size", self.group_size)
+        _check_positive("algorithm.max_extra_draws", self.max_extra_draws, allow_zero=True)
+        _check_positive("algorithm.constant_normalizer", self.constant_normalizer)
         _check_positive("algorithm.eps_low", self.eps_low, allow_zero=True)
         _check_positive("algorithm.eps_high", self.eps_high, allow_zero=True)
         _check_positive("algorithm.tis_cap", self.tis_cap)
@@ -220,7 +246,14 @@ class CheckpointConfig:
 @dataclass
 class DataConfig:
     """Where prompts come from. ``task`` is a built-in (arithmetic, gsm8k, math500) or
-    ``files`` for local json/jsonl/parquet files or a hub dataset name."""
+    ``files`` for local json/jsonl/parquet files or a hub dataset name (docs/data.md).
+
+    ``max_prompt_tokens`` bounds a prompt as the sampler encodes it (system prompt and chat
+    template included); None = ``sampler.max_sequence_length - sampling.max_new_tokens``, the
+    longest prompt a sampler accepts. Longer rows are found when the data is loaded and, by
+    ``long_prompt_policy``, dropped, cut from the left (the start of the prompt's text; the
+    system prompt and the template stay) or refused with an error: never sent to a sampler.
+    """
 
     task: str = "arithmetic"
     path: str | None = None
@@ -234,6 +267,11 @@ class DataConfig:
     epochs: int | None = None
     eval_size: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    max_prompt_tokens: int | None = None
+    long_prompt_policy: Literal["drop", "truncate_left", "error"] = "drop"
+
+    def __post_init__(self):
+        _check_positive("data.max_prompt_tokens", self.max_prompt_tokens)
 
 
 @dataclass
@@ -280,7 +318,14 @@ class TrainerConfig:
     micro_batch_size: int | None = None
     epochs_per_batch: int = 1
     max_staleness: int = 0
+    # Prompts per Rollout request. In a synchronous run (max_staleness 0) a step's prompts are
+    # cut into requests of this size in draw order, so the run is the same whichever sampler
+    # answers first and however many samplers there are. None: half a step, at most one
+    # sampler batch (sampler.max_batch_size // group_size). Asynchronous runs fill each
+    # sampler up to its capacity instead.
+    prompts_per_request: int | None = None
     push_every: int = 1
+    # The run's seed: with the prompt's uid it makes the noise of every completion.
     seed: int = 0
     run_dir: str = "runs/latest"
     eval_before: bool = True
@@ -299,6 +344,18 @@ class TrainerConfig:
         _check_positive("trainer.epochs_per_batch", self.epochs_per_batch)
         _check_positive("trainer.max_staleness", self.max_staleness, allow_zero=True)
         _check_positive("trainer.push_every", self.push_every)
+        _check_positive("trainer.prompts_per_request", self.prompts_per_request)
+        if self.push_every > self.max_staleness + 1:
+            raise ConfigError(
+                f"trainer.push_every: samplers must get new weights at least every "
+                f"max_staleness + 1 = {self.max_staleness + 1} steps, or no sampler may "
+                f"generate the next step's rollouts; got {self.push_every}")
+        evals = [key for key in ("eval_before", "eval_after") if getattr(self, key)]
+        if evals and self.data.eval_split is None:
+            raise ConfigError(
+                f"trainer.{evals[0]}: {' and '.join(evals)} true but trainer.data.eval_split is "
+                "null: there is nothing to evaluate on (set an eval_split, or "
+                f"{' '.join(f'trainer.{k}=false' for k in evals)})")
 
 
 @dataclass
@@ -429,6 +486,26 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
+
+    def __post_init__(self):
+        room = self.sampler.max_sequence_length - self.sampling.max_new_tokens
+        if room < 1:
+            raise ConfigError(
+                f"sampling.max_new_tokens: {self.sampling.max_new_tokens} leaves no room for a "
+                f"prompt in sampler.max_sequence_length={self.sampler.max_sequence_length}")
+        limit = self.trainer.data.max_prompt_tokens
+        if limit is not None and limit > room:
+            raise ConfigError(
+                f"trainer.data.max_prompt_tokens: {limit} + sampling.max_new_tokens="
+                f"{self.sampling.max_new_tokens} exceeds sampler.max_sequence_length="
+                f"{self.sampler.max_sequence_length}: samplers would refuse such prompts "
+                f"(at most {room}, or leave it unset)")
+
+    def prompt_token_limit(self) -> int:
+        """The longest prompt (in tokens, as the sampler encodes it) the run sends."""
+        room = self.sampler.max_sequence_length - self.sampling.max_new_tokens
+        limit = self.trainer.data.max_prompt_tokens
+        return room if limit is None else limit
 
 
 # ----------------------------------------------------------------------------------------------

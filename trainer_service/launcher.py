@@ -5,6 +5,11 @@ process with its own emulated devices (``XLA_FLAGS=--xla_force_host_platform_dev
 sized to its mesh), shows one combined progress view from the trainer's ``Status``, and stops
 everything cleanly at the end or on Ctrl-C. The run directory holds the resolved config, one
 log file per process, metrics, plots, checkpoints and the exported model.
+
+Mistakes surface on the console, early: the data (paths, fields, splits, prompts too long for
+the samplers) is checked before any service starts; error lines of every service's log are
+shown as they are written; and a service that exits leaves its last error lines on the console,
+not only its exit code.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 
 from splitrl.config import Config, MeshConfig, dump_config
 from splitrl.serving import check_health, make_channel
+from trainer_service.service_logs import LogFollower, error_lines
 
 DEMO_CONFIG = "demo.yaml"
 
@@ -88,13 +94,18 @@ class Launcher:
         while time.monotonic() < deadline:
             proc = self.procs[name]
             if proc.poll() is not None:
-                raise RuntimeError(
-                    f"{name} exited with code {proc.returncode}; see {self.log_dir / name}.log"
-                )
+                raise RuntimeError(self.exit_report(name))
             if check_health(address, timeout_s=1.0, auth=self.cfg.services.auth):
                 return
             time.sleep(0.3)
         raise TimeoutError(f"{name} at {address} not healthy after {timeout_s:.0f}s")
+
+    def exit_report(self, name: str) -> str:
+        """``name`` exited: its exit code and the last error lines of its log."""
+        log = self.log_dir / f"{name}.log"
+        lines = "\n".join(f"  {line}" for line in error_lines(log))
+        return (f"{name} exited with code {self.procs[name].returncode}; last errors in "
+                f"{log}:\n{lines}")
 
     def start_sampler(self, index: int, address: str | None = None) -> str:
         address = address or f"127.0.0.1:{free_port()}"
@@ -143,6 +154,16 @@ class Launcher:
                 proc.kill()
                 proc.wait()
 
+    def reward_functions(self) -> list[str]:
+        """The reward service's functions as "name (style style)": what it loaded, and how it
+        will call each one."""
+        from splitrl.v1 import reward_pb2, reward_pb2_grpc
+
+        with make_channel(self.reward_address, auth=self.cfg.services.auth) as channel:
+            reply = reward_pb2_grpc.RewardStub(channel).ListRewardFunctions(
+                reward_pb2.ListRewardFunctionsRequest(), timeout=5.0)
+        return [f"{f.name} ({f.style} style, weight {f.weight:g})" for f in reply.functions]
+
     def status(self):
         from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -157,8 +178,20 @@ class Launcher:
         trainer = self.procs["trainer"]
         bar = tqdm(total=self.cfg.trainer.steps, desc="splitrl", unit="step",
                    dynamic_ncols=True, file=sys.stdout)
+        follower = LogFollower({n: self.log_dir / f"{n}.log" for n in self.procs})
+        reported: set[str] = set()
+
+        def show_errors() -> None:
+            for line in follower.new_errors():
+                bar.write(line, file=sys.stderr)
+            for name, proc in self.procs.items():
+                if name != "trainer" and name not in reported and proc.poll() is not None:
+                    reported.add(name)
+                    bar.write(self.exit_report(name), file=sys.stderr)
+
         try:
             while trainer.poll() is None:
+                show_errors()
                 alive = sum(
                     1 for n, p in self.procs.items() if n.startswith("sampler") and
                     p.poll() is None
@@ -179,12 +212,43 @@ class Launcher:
                     refresh=True,
                 )
                 time.sleep(1.0)
+            show_errors()
         finally:
             bar.close()
         return trainer.returncode
 
 
+def check_data(cfg: Config) -> str | None:
+    """The run's data as the trainer will load it (paths, fields, splits, prompt lengths),
+    before any service starts: None if it loads, else why not. Prints what the prompt length
+    check dropped or truncated."""
+    import logging
+
+    from splitrl.tokenizer import load_tokenizer
+    from trainer_service.orchestration.data import PromptStream
+
+    quiet = logging.getLogger("trainer_service.orchestration.prompt_length")
+    level, quiet.level = quiet.level, logging.ERROR  # the summary below says it once
+    try:
+        stream = PromptStream.for_run(cfg, tokenizer=load_tokenizer(cfg.model.path))
+    except (ValueError, OSError) as e:
+        return str(e)
+    finally:
+        quiet.setLevel(level)
+    for report in stream.length_reports.values():
+        if report.too_long:
+            ids = ", ".join(pid for pid, _ in report.too_long[:5])
+            more = ", ..." if len(report.too_long) > 5 else ""
+            print(f"data: {report.summary()} (data.long_prompt_policy="
+                  f"{report.policy}): {ids}{more}", flush=True)
+    return None
+
+
 def main(cfg: Config) -> int:
+    problem = check_data(cfg)
+    if problem is not None:
+        print(f"splitrl up: the data cannot be used: {problem}", file=sys.stderr, flush=True)
+        return 2
     launcher = Launcher(cfg)
     code = 1
     print(f"run directory: {launcher.run_dir}", flush=True)
@@ -195,9 +259,12 @@ def main(cfg: Config) -> int:
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         launcher.up()
+        print("reward functions: " + "; ".join(launcher.reward_functions()), flush=True)
         code = launcher.watch()
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the run (the trainer checkpoints what it has)", flush=True)
+    except (RuntimeError, TimeoutError) as e:  # a service did not start
+        print(f"splitrl up: {e}", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
         launcher.stop()
@@ -214,8 +281,10 @@ def main(cfg: Config) -> int:
             plot(str(launcher.run_dir))
         except Exception as e:  # plots are a convenience; never fail the run on them
             print(f"(plots skipped: {e})")
+    if code != 0 and "trainer" in launcher.procs:
+        print(launcher.exit_report("trainer"), file=sys.stderr)
     if code != 0:
-        print(f"the trainer exited with code {code}; logs: {launcher.log_dir}", file=sys.stderr)
+        print(f"the run failed (exit code {code}); logs: {launcher.log_dir}", file=sys.stderr)
     return code
 
 

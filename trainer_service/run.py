@@ -2,21 +2,21 @@
 
 One step reads like the algorithm::
 
-    groups  = buffer.take(prompts_per_step, version, max_staleness)   # pulled from samplers
-    batch   = build_train_batch(groups)                                 # group-normalised adv.
-    metrics = learner.train_step(batch)                                 # loss -> optax update
-    version += 1; publisher.push_all(params, version)                   # resharded per sampler
-    checkpoint every N steps (params, opt state, step, version, data cursor, unfinished prompts)
+    groups  = collect(prompts_per_step)       # rollouts from the samplers, in draw order
+    batch   = build_train_batch(groups)       # group-normalised advantages
+    metrics = update(batch)                   # loss -> optax update; version += 1
+    push()                                    # the new weights to every sampler, resharded
+    draw_ahead(); record(); checkpoint()      # next prompts out, audit trail, every N steps
 
-Choices, all in the config: ``trainer.max_staleness`` (0 = on-policy and synchronous; k > 0
-keeps rollouts for the next k steps in flight while training, and drops groups older than k
-versions), ``algorithm.*`` (loss variant, clipping, aggregation, KL, importance-sampling cap),
-``algorithm.filter_zero_variance`` (dynamic sampling), ``trainer.push_every``.
+Choices, all in the config: ``trainer.max_staleness`` (0 = on-policy and synchronous, and then
+the run is a function of its config and seed; k > 0 keeps rollouts for the next k steps in
+flight while training and drops groups older than k versions), ``algorithm.*`` (estimator, loss
+variant, clipping, aggregation, KL, importance-sampling cap, dynamic sampling),
+``trainer.push_every``.
 
-Nothing is lost: prompts drawn from the data but not yet trained on (queued, in flight, or
-buffered) are saved with every checkpoint and re-queued first on resume; a sampler's failure
-re-queues its prompts (see ``dispatcher.py``). Every trained prompt uid is appended to
-``trained_prompts.jsonl`` so a run can be audited for exactly-once training.
+Nothing is lost: every drawn prompt belongs to the rollout queue (``queue.py``) until it is
+trained on, filtered or dropped; its unfinished items are saved with every checkpoint and
+queued first on resume; the audit trail (``audit.py``) lists every trained prompt once.
 
 Multi-host (several JAX processes, see ``multihost.py``): process 0 runs this loop; every other
 process builds the same mesh and learner and follows it, making the same collective calls
@@ -47,12 +47,17 @@ from trainer_service.learning.checkpoints import Checkpointer
 from trainer_service.learning.export import export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
-from trainer_service.orchestration.data import PromptStream
-from trainer_service.orchestration.dispatcher import Dispatcher
-from trainer_service.orchestration.evaluation import accuracy_function, evaluate
-from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
-from trainer_service.orchestration.publisher import WeightPublisher
-from trainer_service.orchestration.rollouts import RolloutBuffer, RolloutGroup, WorkItem
+from trainer_service.orchestration.evaluation import accuracy_function, eval_items, eval_metrics
+from trainer_service.orchestration.membership import SamplerHandle
+from trainer_service.orchestration.parts import build_leader_parts
+from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
+from trainer_service.orchestration.rollouts import (
+    EVAL,
+    TRAIN,
+    RolloutGroup,
+    WorkItem,
+    item_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,17 @@ class RunState:
     data_cursor: dict = field(default_factory=dict)
 
 
+@dataclass
+class Collected:
+    """One step's rollouts: the groups to train on and what became done without training."""
+
+    groups: list[RolloutGroup]
+    filtered: list[RolloutGroup] = field(default_factory=list)
+    dropped: list[tuple[WorkItem, str]] = field(default_factory=list)
+    extra_draws: int = 0
+    short: bool = False  # the extra-draw bound or the end of the data left the batch short
+
+
 class TrainerRun:
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -87,54 +103,208 @@ class TrainerRun:
         # Every process: the global mesh, the learner and its checkpoints.
         self.mesh = build_mesh(tcfg.mesh)
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-        self.learner = Learner(
-            model,
-            algorithm=cfg.algorithm,
-            optimizer=tcfg.optimizer,
-            mesh=self.mesh,
-            strategy=tcfg.mesh.strategy,
-            micro_batch_size=tcfg.micro_batch_size,
-            epochs_per_batch=tcfg.epochs_per_batch,
-            temperature=cfg.sampling.temperature or 1.0,
-            logprob_chunk_size=cfg.model.logprob_chunk_size,
-        )
+        self.learner = Learner.from_config(model, cfg, self.mesh)
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
-        self.version = 0
+        self.version = 0  # of the weights; +1 per update
         self.step = 0
-        self.drawn = 0  # prompts drawn from the data so far: makes every work item's uid unique
+        self.drawn = 0  # prompts drawn from the data so far: every work item's seq and uid
         self._params_lock = threading.Lock()
         if self.hosts.is_leader:
-            self._init_leader()
+            self.tokenizer = load_tokenizer(cfg.model.path)
+            self.pad_id = self.tokenizer.pad_token_id or 0
+            self.parts = build_leader_parts(cfg, tokenizer=self.tokenizer,
+                                            metadata=self.metadata, run_dir=self.run_dir,
+                                            sync_new_sampler=self._sync_new_sampler)
+            self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
+            self.publisher, self.audit = self.parts.publisher, self.parts.audit
+            self.accuracy_fn = accuracy_function(cfg)
+            self.reward_checks = RewardChecks.from_config(cfg.reward)
+            self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
         self._restore()
 
-    def _init_leader(self) -> None:
-        """The leader's parts: data, samplers, rollouts, weight pushes, metrics files."""
-        cfg, tcfg = self.cfg, self.cfg.trainer
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.pad_id = self.tokenizer.pad_token_id or 0
-        self.data = PromptStream.from_config(tcfg.data, tokenizer=self.tokenizer)
-        self.pool = SamplerPool(
-            cfg.services,
-            max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
-            on_join=self._on_sampler_join,
-            on_leave=self._on_sampler_leave,
-        )
-        self.buffer = RolloutBuffer(on_requeue=lambda item: self.dispatcher.requeue(item))
-        self.dispatcher = Dispatcher(
-            self.pool,
-            self.buffer,
-            group_size=cfg.algorithm.group_size,
-            sampling=cfg.sampling,
-            min_version=lambda: self.version - tcfg.max_staleness,
-            metadata=self.metadata,
-        )
-        self.publisher = WeightPublisher(self.pool, metadata=self.metadata)
-        names = [f.name for f in cfg.reward.functions]
-        self.accuracy_fn = accuracy_function(names)
-        self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        self.trained_file = (self.run_dir / "trained_prompts.jsonl").open("a")
+    # -- one step -------------------------------------------------------------------------
 
-    # -- membership callbacks -------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        t0 = time.monotonic()
+        collected = self._collect(self.cfg.trainer.prompts_per_step)
+        t_rollouts = time.monotonic()
+        metrics = self._rollout_metrics(collected)
+        try:  # failing reward functions: logged, counted, and past the policy the run stops
+            metrics.update(self.reward_checks.observe(collected.groups))
+        except RewardFunctionFailed as e:
+            self._write_metrics({"step": self.step + 1, "version": self.version, **metrics,
+                                 **e.metrics})
+            raise
+        metrics.update(self.data.length_metrics())
+        if collected.groups:
+            batch = build_train_batch(collected.groups, self.cfg.algorithm, pad_id=self.pad_id)
+            metrics.update(self._update(batch))
+        else:  # nothing with signal within the bounds: a step without an update
+            self.step += 1
+            metrics["skipped"] = 1.0
+        t_train = time.monotonic()
+        metrics.update(self._push())
+        t_push = time.monotonic()
+        self._draw_ahead()  # the next step's prompts go out while we record and checkpoint
+        self.audit.record(self.step, self.version - (0 if metrics.get("skipped") else 1),
+                          collected.groups, filtered=collected.filtered,
+                          dropped=collected.dropped)
+        self._checkpoint()  # a no-op unless a save is due
+        tokens = sum(len(c.token_ids) for g in collected.groups for c in g.completions)
+        metrics.update({
+            "time/wait_rollouts_s": t_rollouts - t0,
+            "time/train_s": t_train - t_rollouts,
+            "time/push_s": t_push - t_train,
+            "time/step_s": t_push - t0,
+            "throughput/tokens_per_s": tokens / max(t_push - t0, 1e-9),
+            "samplers/ready": float(len(self.pool.ready())),
+        })
+        return metrics
+
+    def _collect(self, n: int) -> Collected:
+        """``n`` groups to train on, earliest drawn first. Prompts that were filtered (dynamic
+        sampling) or dropped (refused twice) are replaced by new draws, at most
+        ``algorithm.max_extra_draws`` per step; past that, or at the end of the data, the step
+        trains on what it has."""
+        algorithm = self.cfg.algorithm
+        limit = algorithm.max_extra_draws
+        if limit is None:
+            limit = 3 * self.cfg.trainer.prompts_per_step
+        out = Collected([])
+        self._draw_ahead()
+        while True:
+            taken = self.queue.take(TRAIN, n, stop=self.stop_event)
+            events = self.queue.drain_events()
+            out.filtered += events.filtered
+            out.dropped += events.dropped
+            for item, reason in events.dropped:
+                log.warning("prompt dropped: a sampler refused it twice",
+                            extra={"uid": item.uid, "reason": reason})
+            if taken.groups:
+                out.groups = taken.groups
+                return out
+            drawn = self._draw(min(taken.shortfall, limit - out.extra_draws))
+            out.extra_draws += drawn
+            if drawn < taken.shortfall:
+                if not out.short:
+                    log.warning("step %d is short: %s", self.step + 1,
+                                "the data is used up" if self.data.exhausted else
+                                f"algorithm.max_extra_draws ({limit}) reached",
+                                extra={"filtered": len(out.filtered),
+                                       "dropped": len(out.dropped)})
+                out.short = True
+                n -= taken.shortfall - drawn
+                if n <= 0:
+                    return out
+
+    def _update(self, batch) -> dict[str, float]:
+        self.hosts.train(batch)  # multi-host: every process trains on this batch
+        with self._params_lock:
+            metrics = self.learner.train_step(batch)
+            self.version += 1
+            self.step += 1
+        self.queue.set_version(self.version)
+        return metrics
+
+    def _push(self) -> dict[str, float]:
+        tcfg = self.cfg.trainer
+        due = self.step % tcfg.push_every == 0 or self.step == tcfg.steps
+        if not due or self.version == self._pushed_version:
+            return {}
+        results = self.publisher.push_all(self._params_for_push(), self.version)
+        self._pushed_version = self.version
+        pushed = [r for r in results if r.ok]
+        return {
+            "push/seconds": max((r.seconds for r in pushed), default=0.0),
+            "push/mb": sum(r.bytes for r in pushed) / 2**20,
+            "push/failed": float(len(results) - len(pushed)),
+        }
+
+    # -- prompts --------------------------------------------------------------------------
+
+    def _draw(self, count: int) -> int:
+        """Draw ``count`` prompts from the data into the queue; returns how many there were."""
+        if count <= 0:
+            return 0
+        rows = self.data.next_batch(count)
+        items = []
+        for row in rows:
+            uid = f"{row['prompt_id']}#{self.drawn}"
+            items.append(WorkItem(uid=uid, row=row, seq=self.drawn,
+                                  seed=item_seed(self.cfg.trainer.seed, uid)))
+            self.drawn += 1
+        self.queue.add(items)
+        return len(rows)
+
+    def _draw_ahead(self) -> None:
+        """Keep (1 + max_staleness) steps of prompts outstanding, none beyond the last step."""
+        tcfg = self.cfg.trainer
+        steps = min(1 + tcfg.max_staleness, tcfg.steps - self.step)
+        self._draw(steps * tcfg.prompts_per_step - self.queue.outstanding(TRAIN))
+
+    # -- metrics --------------------------------------------------------------------------
+
+    def _rollout_metrics(self, collected: Collected) -> dict[str, float]:
+        counts = self.queue.counts
+        out = {
+            "counts/zero_variance_filtered": float(counts["zero_variance_filtered"]),
+            "counts/stale_dropped": float(counts["stale_dropped"]),
+            "counts/redispatched": float(counts["redispatched"]),
+            "counts/dropped_refused": float(counts["dropped_refused"]),
+            "dynamic_sampling/filtered": float(len(collected.filtered)),
+            "dynamic_sampling/extra_draws": float(collected.extra_draws),
+            "dynamic_sampling/short_step": float(collected.short),
+            "groups": float(len(collected.groups)),
+        }
+        groups = collected.groups
+        if not groups:
+            return out
+        rewards = np.concatenate([g.rewards for g in groups])
+        staleness = [self.version - g.weight_version for g in groups]
+        out.update({
+            "reward/mean": float(rewards.mean()),
+            "reward/max": float(rewards.max()),
+            "staleness/mean": float(np.mean(staleness)),
+            "staleness/max": float(np.max(staleness)),
+            "completion_len/mean": float(np.mean([len(c.token_ids) for g in groups
+                                                  for c in g.completions])),
+        })
+        if self.accuracy_fn:
+            out["accuracy/mean"] = float(np.mean([c.rewards.get(self.accuracy_fn, 0.0)
+                                                  for g in groups for c in g.completions]))
+        return out
+
+    def _write_metrics(self, record: dict) -> None:
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+
+    # -- evaluation -----------------------------------------------------------------------
+
+    def _evaluate(self, tag: str) -> dict[str, float]:
+        """Greedy pass@1 on the evaluation rows, through the samplers (the eval lane)."""
+        rows = self.data.eval_rows(self.cfg.trainer.data.eval_size)
+        if not rows:
+            return {}
+        self.status.state = "evaluating"
+        self._wait_for_samplers()
+        items = eval_items(rows)
+        self.queue.add(items)
+        n, groups = len(items), []
+        while n > 0:
+            taken = self.queue.take(EVAL, n, stop=self.stop_event)
+            if taken.groups:
+                groups = taken.groups
+                break
+            n -= taken.shortfall  # refused prompts: evaluate the others
+        for item, reason in self.queue.drain_events().dropped:
+            log.warning("evaluation prompt dropped", extra={"uid": item.uid, "reason": reason})
+        result = eval_metrics(groups, self.accuracy_fn, len(items))
+        result = {f"{tag}/{k.split('/', 1)[1]}": v for k, v in result.items()}
+        self._write_metrics({"step": self.step, "version": self.version, **result})
+        log.info("evaluation", extra=result)
+        return result
+
+    # -- samplers -------------------------------------------------------------------------
 
     def _host_params(self):
         with self._params_lock:
@@ -147,72 +317,13 @@ class TrainerRun:
         process), or gathered to this host together with the followers (multi-host)."""
         return self.hosts.params_for_push(self.learner.params, self.version)
 
-    def _on_sampler_join(self, handle: SamplerHandle) -> None:
-        """A new sampler gets the current weights before it gets work."""
+    def _sync_new_sampler(self, handle: SamplerHandle) -> None:
+        """A sampler that joined gets the current weights before it gets work."""
         params, version = self._host_params()
         result = self.publisher.push_one(handle, params, version, reset=True,
                                          unless_current=True)
         log.info("sampler synced", extra={"address": handle.address, "ok": result.ok,
                                           "version": version, "error": result.error})
-
-    def _on_sampler_leave(self, handle: SamplerHandle, why: str) -> None:
-        self.dispatcher.cancel_sampler(handle)
-
-    # -- checkpoint / resume --------------------------------------------------------------
-
-    def _restore(self) -> None:
-        if self.checkpointer.latest_step() is None:
-            return
-        ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
-        self.learner.load_train_state(ckpt.state, ckpt.step)
-        self.step, self.version = ckpt.step, ckpt.weight_version
-        if not self.hosts.is_leader:
-            return  # the data cursor is the leader's
-        cursor = ckpt.data_cursor
-        self.data.load_state_dict(cursor["stream"])
-        self.drawn = int(cursor["drawn"])
-        unfinished = [WorkItem.from_json(d) for d in cursor["unfinished"]]
-        self.dispatcher.submit(unfinished)
-        log.info("resumed from checkpoint", extra={
-            "step": self.step, "version": self.version, "data_cursor": cursor["stream"],
-            "requeued": len(unfinished)})
-
-    def _checkpoint(self, force: bool = False) -> None:
-        """Params, optimizer state, step, version and the data position, which includes the
-        prompts drawn but not yet trained on (queued, in flight or buffered)."""
-        if not (force or self.checkpointer.should_save(self.step)):
-            return
-        # Dispatcher first: a group moving into the buffer meanwhile is then seen twice (and
-        # de-duplicated), never missed. Buffer -> dispatcher moves only happen on this thread.
-        unfinished = {i.uid: i for i in self.dispatcher.unfinished_items()}
-        unfinished.update({i.uid: i for i in self.buffer.pending_items()})
-        cursor = {
-            "stream": self.data.state_dict(),
-            "drawn": self.drawn,
-            "unfinished": [i.to_json() for i in unfinished.values()],
-        }
-        self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
-        self.checkpointer.save(self.step, self.learner.train_state(),
-                               weight_version=self.version, data_cursor=cursor,
-                               config=to_dict(self.cfg), force=True)
-
-    # -- the loop -------------------------------------------------------------------------
-
-    def _feed(self) -> None:
-        """Keep (1 + max_staleness) steps of prompts queued or in flight."""
-        tcfg = self.cfg.trainer
-        target = (1 + tcfg.max_staleness) * tcfg.prompts_per_step
-        if not self.cfg.algorithm.filter_zero_variance:
-            # Prompts for steps beyond the end of the run are not drawn. (Dynamic sampling
-            # over-samples instead: filtered prompts must be replaced.)
-            target = min(target, (tcfg.steps - self.step) * tcfg.prompts_per_step)
-        want = target - self.dispatcher.outstanding() - len(self.buffer)
-        if want > 0:
-            rows = self.data.next_batch(want)
-            items = [WorkItem(uid=f"{r['prompt_id']}#{self.drawn + i}", row=r)
-                     for i, r in enumerate(rows)]
-            self.drawn += len(rows)
-            self.dispatcher.submit(items)
 
     def _wait_for_samplers(self, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -222,88 +333,52 @@ class TrainerRun:
             if self.stop_event.wait(0.2):
                 raise InterruptedError("stopped while waiting for samplers")
 
-    def _evaluate(self, tag: str) -> dict[str, float]:
-        data = self.cfg.trainer.data
-        rows = self.data.eval_rows(data.eval_size)
-        if not rows:
-            return {}
-        self.status.state = "evaluating"
-        self._wait_for_samplers()
-        result = evaluate(self.pool, rows, self.cfg.sampling, min_version=self.version,
-                          accuracy_fn=self.accuracy_fn, metadata=self.metadata)
-        result = {f"{tag}/{k.split('/', 1)[1]}": v for k, v in result.items()}
-        self._write_metrics({"step": self.step, "version": self.version, **result})
-        log.info("evaluation", extra=result)
-        return result
+    # -- checkpoint / resume --------------------------------------------------------------
 
-    def _write_metrics(self, record: dict) -> None:
-        self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
+    def _restore(self) -> None:
+        self._pushed_version = 0
+        if self.checkpointer.latest_step() is None:
+            return
+        ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
+        self.learner.load_train_state(ckpt.state, ckpt.step)
+        self.step, self.version = ckpt.step, ckpt.weight_version
+        if not self.hosts.is_leader:
+            return  # the data cursor is the leader's
+        self.queue.set_version(self.version)
+        cursor = ckpt.data_cursor
+        self.data.load_state_dict(cursor["stream"])
+        self.drawn = int(cursor["drawn"])
+        unfinished = [self._restored_item(d) for d in cursor["unfinished"]]
+        self.queue.add(sorted(unfinished, key=lambda i: i.seq))
+        rolled_back = self.audit.roll_back_to(self.step)
+        log.info("resumed from checkpoint", extra={
+            "step": self.step, "version": self.version, "data_cursor": cursor["stream"],
+            "requeued": len(unfinished), "rolled_back_records": rolled_back})
 
-    def _group_metrics(self, groups: list[RolloutGroup]) -> dict[str, float]:
-        rewards = np.concatenate([g.rewards for g in groups])
-        staleness = [self.version - g.weight_version for g in groups]
-        lengths = [len(c.token_ids) for g in groups for c in g.completions]
-        out = {
-            "reward/mean": float(rewards.mean()),
-            "reward/max": float(rewards.max()),
-            "staleness/mean": float(np.mean(staleness)),
-            "staleness/max": float(np.max(staleness)),
-            "completion_len/mean": float(np.mean(lengths)),
+    def _restored_item(self, saved: dict) -> WorkItem:
+        item = WorkItem.from_json(saved)
+        if "seq" not in saved:  # a checkpoint from before items carried their draw number
+            item.seq = int(item.uid.rsplit("#", 1)[-1])
+        if "seed" not in saved:
+            item.seed = item_seed(self.cfg.trainer.seed, item.uid)
+        return item
+
+    def _checkpoint(self, force: bool = False) -> None:
+        """Params, optimizer state, step, version and the data position, which includes the
+        prompts drawn but not yet trained on (queued, in flight or buffered)."""
+        if not (force or self.checkpointer.should_save(self.step)):
+            return
+        cursor = {
+            "stream": self.data.state_dict(),
+            "drawn": self.drawn,
+            "unfinished": [i.to_json() for i in self.queue.unfinished(TRAIN)],
         }
-        if self.accuracy_fn:
-            acc = [c.rewards.get(self.accuracy_fn, 0.0) for g in groups for c in g.completions]
-            out["accuracy/mean"] = float(np.mean(acc))
-        return out
+        self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
+        self.checkpointer.save(self.step, self.learner.train_state(),
+                               weight_version=self.version, data_cursor=cursor,
+                               config=to_dict(self.cfg), force=True)
 
-    def train_step(self) -> dict[str, float]:
-        tcfg = self.cfg.trainer
-        t0 = time.monotonic()
-        self._feed()
-        groups = self.buffer.take(
-            tcfg.prompts_per_step, self.version, tcfg.max_staleness,
-            should_stop=self.stop_event.is_set,
-            while_waiting=self._feed,
-        )
-        t_rollouts = time.monotonic()
-        group_metrics = self._group_metrics(groups)  # staleness against the version used
-        batch = build_train_batch(groups, self.cfg.algorithm, pad_id=self.pad_id)
-        self.hosts.train(batch)  # multi-host: every process trains on this batch
-        with self._params_lock:
-            metrics = self.learner.train_step(batch)
-            self.version += 1
-            self.step += 1
-        t_train = time.monotonic()
-        if self.step % tcfg.push_every == 0 or self.step == tcfg.steps:
-            results = self.publisher.push_all(self._params_for_push(), self.version)
-            pushed = [r for r in results if r.ok]
-            metrics["push/seconds"] = max((r.seconds for r in pushed), default=0.0)
-            metrics["push/mb"] = sum(r.bytes for r in pushed) / 2**20
-            metrics["push/failed"] = float(len(results) - len(pushed))
-        t_push = time.monotonic()
-        self._feed()  # next step's prompts go out while we checkpoint and log
-        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-        metrics.update(group_metrics)
-        metrics.update({
-            "time/wait_rollouts_s": t_rollouts - t0,
-            "time/train_s": t_train - t_rollouts,
-            "time/push_s": t_push - t_train,
-            "time/step_s": t_push - t0,
-            "throughput/tokens_per_s": tokens / max(t_push - t0, 1e-9),
-            "samplers/ready": float(len(self.pool.ready())),
-            "counts/stale_dropped": float(self.buffer.counts["stale_dropped"]),
-            "counts/zero_variance_filtered": float(self.buffer.counts["zero_variance_filtered"]),
-            "counts/redispatched": float(self.dispatcher.redispatched),
-        })
-        self.trained_file.write(json.dumps({
-            "step": self.step, "uids": [g.item.uid for g in groups],
-            "versions": [g.weight_version for g in groups],
-            "samplers": [g.sampler_id for g in groups],
-            "trainer_version": self.version - 1,
-        }) + "\n")
-        self.trained_file.flush()
-        self._checkpoint()  # a no-op unless a save is due
-        return metrics
+    # -- the run --------------------------------------------------------------------------
 
     def run(self, progress=None) -> dict[str, float]:
         if not self.hosts.is_leader:
@@ -313,14 +388,12 @@ class TrainerRun:
         try:
             if self.hosts.multi:
                 self._params_for_push()  # the copy that joining samplers are synced from
-            self.pool.start()
-            self.dispatcher.start()
+            self.parts.start()
             self._wait_for_samplers()
             if tcfg.eval_before and self.step == 0:
                 summary.update(self._evaluate("eval_before"))
             self.status.state = "training"
-            started = time.monotonic()
-            start_step = self.step
+            started, start_step = time.monotonic(), self.step
             while self.step < tcfg.steps and not self.stop_event.is_set():
                 try:
                     metrics = self.train_step()
@@ -328,27 +401,15 @@ class TrainerRun:
                     if self.stop_event.is_set():
                         break
                     raise
-                set_context(step=self.step, weight_version=self.version)
-                elapsed = time.monotonic() - started
-                self.status.step, self.status.version = self.step, self.version
-                self.status.steps_per_s = (self.step - start_step) / max(elapsed, 1e-9)
-                self.status.tokens_per_s = metrics["throughput/tokens_per_s"]
-                self.status.last_metrics = metrics
-                self.status.data_cursor = self.data.state_dict()
-                self._write_metrics({"step": self.step, "version": self.version, **metrics})
-                if progress is not None:
-                    progress(self.step, metrics)
-                if self.step % tcfg.log_every == 0:
-                    log.info("step", extra={k: round(v, 5) for k, v in metrics.items()
-                                            if k in _LOGGED})
+                self._report(metrics, progress, started, start_step)
             if self.stop_event.is_set():
                 return self._stopped(summary)
             if self.checkpointer.latest_step() != self.step:
                 self._checkpoint(force=True)
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
-            export_dir = self.run_dir / "export"
-            export_hf(self._policy_model(), export_dir, source_dir=self.cfg.model.path)
+            export_hf(self._policy_model(), self.run_dir / "export",
+                      source_dir=self.cfg.model.path)
             summary["step"] = float(self.step)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             self.status.state = "done"
@@ -363,6 +424,20 @@ class TrainerRun:
             raise
         finally:
             self.close()
+
+    def _report(self, metrics, progress, started: float, start_step: int) -> None:
+        set_context(step=self.step, weight_version=self.version)
+        elapsed = time.monotonic() - started
+        self.status.step, self.status.version = self.step, self.version
+        self.status.steps_per_s = (self.step - start_step) / max(elapsed, 1e-9)
+        self.status.tokens_per_s = metrics["throughput/tokens_per_s"]
+        self.status.last_metrics = metrics
+        self.status.data_cursor = self.data.state_dict()
+        self._write_metrics({"step": self.step, "version": self.version, **metrics})
+        if progress is not None:
+            progress(self.step, metrics)
+        if self.step % self.cfg.trainer.log_every == 0:
+            log.info("step", extra={k: round(v, 5) for k, v in metrics.items() if k in _LOGGED})
 
     def _stopped(self, summary: dict[str, float]) -> dict[str, float]:
         """Stopped by a signal: checkpoint where we are, so the next start resumes here."""
@@ -403,12 +478,8 @@ class TrainerRun:
     def close(self) -> None:
         if self.hosts.is_leader:
             self.hosts.stop(failed=self.status.state == "failed")  # release the followers
-            self.dispatcher.stop()
-            self.buffer.close()
-            self.pool.stop()
-            self.publisher.close()
+            self.parts.close()
             self.metrics_file.close()
-            self.trained_file.close()
         self.checkpointer.close()
 
 

@@ -50,13 +50,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     def Status(self, request, context):
         status = self.run.status
         now = time.monotonic()
+        inflight = self.run.queue.inflight_by_sampler()
         samplers = [
             trainer_pb2.SamplerStatus(
                 sampler_id=h.sampler_id,
                 address=h.address,
                 weight_version=h.weight_version,
                 healthy=h.state == "ready",
-                inflight_prompts=h.inflight,
+                inflight_prompts=inflight.get(h.address, 0),
                 last_seen_s=now - h.last_ok,
             )
             for h in self.run.pool.all()
@@ -146,9 +147,14 @@ def main(cfg: Config) -> int:
         maybe_initialize = None
     if maybe_initialize is not None:
         maybe_initialize(cfg)
+    from trainer_service.orchestration.reward_checks import RewardFunctionFailed
     from trainer_service.run import TrainerRun
 
-    run = TrainerRun(cfg)
+    try:
+        run = TrainerRun(cfg)
+    except (ValueError, FileNotFoundError) as e:  # the data or the model cannot be used
+        log.error("trainer cannot start: %s", e)  # on stderr, one JSON line
+        return 2
     leader = run.hosts.is_leader
     servicer = TrainerServicer(run) if leader else FollowerServicer(run.hosts.index)
     port = cfg.services.trainer_address.rsplit(":", 1)[1]
@@ -181,6 +187,8 @@ def main(cfg: Config) -> int:
 
     try:
         summary = run.run(progress=progress if leader else None)
+    except RewardFunctionFailed:  # logged where it was raised, with the reasons
+        return 3
     finally:
         if bar is not None:
             bar.close()

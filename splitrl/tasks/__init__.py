@@ -1,7 +1,7 @@
 """Prompt tasks by name: `arithmetic` (synthetic), `gsm8k`, `math500`, `files` (any dataset).
 
     task = get_task("gsm8k", instruction="boxed")
-    rows = task.rows("test")          # [{prompt_id, prompt | messages, reference, metadata}]
+    rows = task.rows("test")          # [{prompt_id, prompt | messages, reference, columns}]
     task.reward_functions             # the reward config it is meant to be scored with
 """
 
@@ -12,6 +12,7 @@ from splitrl.tasks.base import (
     Row,
     Task,
     default_data_dir,
+    describe_task,
     get_task,
     list_tasks,
     load_split,
@@ -29,6 +30,7 @@ __all__ = [
     "Row",
     "Task",
     "default_data_dir",
+    "describe_task",
     "get_task",
     "list_tasks",
     "load_split",

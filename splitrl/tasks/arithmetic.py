@@ -1,7 +1,8 @@
 """Single-digit addition, the task a random tiny model learns from scratch on CPU.
 
 Prompts are `a+b=` for every pair of operands in [min_operand, max_operand]; the reference is
-the sum as a string (zero-padded to the widest sum with `fixed_width`). With the default
+the sum as a string (zero-padded to the widest sum with `fixed_width`); the columns `a` and `b`
+(ints) reach the reward functions. With the default
 operands 0..4 there are 25 prompts whose answers are one digit: a random 2-layer model with a
 character vocabulary learns them by GRPO in a few hundred steps (see ENVIRONMENT.md). 0..9 is
 not reliably learnable.
@@ -21,6 +22,9 @@ EVAL_SPLITS = ("test", "eval", "validation")
 
 @register_task("arithmetic")
 class ArithmeticTask(Task):
+    """Single-digit addition `a+b=` (synthetic; a random tiny model learns it on CPU).
+    Columns: a, b."""
+
     reward_functions = ({"name": "exact_answer", "weight": 1.0, "options": {}},)
 
     def __init__(self, max_operand: int = 4, min_operand: int = 0, seed: int = 0,
@@ -59,8 +63,8 @@ class ArithmeticTask(Task):
         return [self._row(a, b) for a, b in pairs]
 
     def _row(self, a: int, b: int) -> Row:
-        return make_row(f"arith-{a}+{b}", self.answer(a, b),
-                        {"task": "arithmetic", "a": a, "b": b}, prompt=f"{a}+{b}=")
+        return make_row(f"arith-{a}+{b}", self.answer(a, b), {"a": a, "b": b},
+                        prompt=f"{a}+{b}=")
 
     def corpus(self):
         """Every digit and operator (so the vocabulary does not depend on the operand range),

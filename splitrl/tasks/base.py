@@ -6,7 +6,10 @@ A task turns a dataset split into prompt rows::
      "prompt": "Natalia sold clips ...",     # plain text, or None when the row has messages
      "messages": None,                       # or [{"role": "user", "content": ...}, ...]
      "reference": "72",                      # what the reward functions compare against
-     "metadata": {"task": "gsm8k", ...}}     # str -> str (it travels in a protobuf map)
+     "columns": {"answer": "Natalia ..."}}   # the dataset's other columns, with their types
+
+`columns` reach every reward function as keyword arguments (one value per completion), the
+way TRL passes a dataset's columns; they travel as JSON, so a value keeps its JSON type.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from splitrl.registry import Registry
+from splitrl.reward_protocol import jsonable
 
 Row = dict[str, Any]
 
@@ -70,6 +74,22 @@ def register_task(name: str) -> Callable[[type[Task]], type[Task]]:
 
 def list_tasks() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def describe_task(name: str) -> dict[str, Any]:
+    """What `splitrl list tasks` shows: description, options with defaults, splits (those of
+    the default instance; "" when they depend on the path) and recommended reward functions."""
+    cls = _REGISTRY.get(name)
+    params = inspect.signature(cls.__init__).parameters.values()
+    options = {p.name: (None if p.default is p.empty else p.default) for p in params
+               if p.name != "self"}
+    try:
+        splits = list(cls().splits)
+    except (ValueError, TypeError):
+        splits = []
+    return {"name": name, "description": " ".join((inspect.getdoc(cls) or "").split()),
+            "options": options, "splits": splits,
+            "reward_functions": [f["name"] for f in cls.reward_functions]}
 
 
 def get_task(name: str, **options: Any) -> Task:
@@ -163,9 +183,11 @@ def _looks_like_hub_name(text: str) -> bool:
             and Path(text).suffix not in _FILE_FORMATS)
 
 
-def make_row(prompt_id: str, reference: str, metadata: dict[str, Any], *,
+def make_row(prompt_id: str, reference: str, columns: dict[str, Any], *,
              prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> Row:
     if (prompt is None) == (messages is None):
         raise ValueError(f"row {prompt_id}: expected exactly one of prompt and messages")
+    # JSON-safe from the start: rows travel as JSON (to the samplers, and in checkpoints with
+    # the prompts not yet trained on), so a date or a numpy value becomes a string or a number.
     return {"prompt_id": prompt_id, "prompt": prompt, "messages": messages,
-            "reference": reference, "metadata": {k: str(v) for k, v in metadata.items()}}
+            "reference": reference, "columns": jsonable(dict(columns))}

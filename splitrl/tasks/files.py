@@ -3,6 +3,9 @@
 The prompt column holds text, or chat messages (a list of {role, content}). The reference is
 the answer column as a string, or its final answer after `####` with `reference_format="gsm8k"`.
 Prompt ids are `<id_prefix>-<split>-<row index>`, or `<id_prefix>-<value>` of `id_field`.
+Every other column (the answer column too) reaches the reward functions under its own name, as
+TRL passes a dataset's columns; a column named like a reserved keyword of the reward functions
+(`completions`, `trainer_state`...) is refused when the split is loaded.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from splitrl.reward_protocol import check_column_names
 from splitrl.tasks.base import LazyRows, Row, Task, load_split, make_row, register_task
 from splitrl.tasks.math_data import MATH_REWARDS, parse_gsm8k_answer
 
@@ -18,6 +22,10 @@ REFERENCE_FORMATS = ("raw", "gsm8k")
 
 @register_task("files")
 class FilesTask(Task):
+    """Any dataset: local json/jsonl/parquet/csv files (a file, or a folder of <split> files)
+    or a hub dataset name; prompt_field and answer_field name its columns. Columns: every other
+    column of the data."""
+
     reward_functions = MATH_REWARDS
 
     def __init__(self, path: str | os.PathLike | None = None, prompt_field: str = "question",
@@ -57,7 +65,15 @@ class FilesTask(Task):
             if field is not None and field not in columns:
                 raise ValueError(f"{key}={field!r} is not a column of {self.path} [{split}] "
                                  f"(columns: {sorted(columns)})")
+        check_column_names(self._column_names(columns), f"{self.path} [{split}] column")
         return LazyRows(dataset, lambda i, rec: self._row(split, i, rec))
+
+    def _column_names(self, columns) -> list[str]:
+        """The columns passed to the reward functions: all but the prompt's (and the answer's
+        when it is called `reference`: the reference is passed under that name already)."""
+        skip = {self.prompt_field} | ({self.answer_field} if self.answer_field == "reference"
+                                      else set())
+        return [c for c in columns if c not in skip]
 
     def _row(self, split: str, index: int, record: dict) -> Row:
         if self.id_field is not None:
@@ -68,7 +84,7 @@ class FilesTask(Task):
         reference = "" if answer is None else str(answer)
         if self.reference_format == "gsm8k":
             reference = parse_gsm8k_answer(reference)
-        meta = {"task": "files", "split": split, "index": index}
+        meta = {k: record[k] for k in self._column_names(record)}
         prompt = record[self.prompt_field]
         if isinstance(prompt, str):
             return make_row(prompt_id, reference, meta, prompt=prompt)

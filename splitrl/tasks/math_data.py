@@ -33,6 +33,12 @@ def parse_gsm8k_answer(answer: str) -> str:
     return answer.rsplit("####", 1)[1].strip().replace(",", "")
 
 
+def _columns(record: dict, prompt_column: str) -> dict:
+    """The record's columns but the prompt's (GSM8K: `answer`, the worked solution; MATH-500:
+    `solution`, `answer`, `subject`, `level`, `unique_id`)."""
+    return {k: v for k, v in record.items() if k != prompt_column}
+
+
 def _with_instruction(problem: str, instruction: str | None) -> str:
     if not instruction:
         return problem
@@ -66,22 +72,27 @@ class _FileTask(Task):
 
 @register_task("gsm8k")
 class GSM8KTask(_FileTask):
+    """GSM8K grade-school math (../shared/data/gsm8k); the reference is the number after
+    `####`. Columns: answer (the worked solution)."""
+
     default_dir = "gsm8k"
     file_splits = ("train", "test")
 
     def _row(self, split: str, index: int, record: dict) -> Row:
         return make_row(f"gsm8k-{split}-{index}", parse_gsm8k_answer(record["answer"]),
-                        {"task": "gsm8k", "split": split, "index": index},
+                        _columns(record, "question"),
                         prompt=_with_instruction(record["question"], self.instruction))
 
 
 @register_task("math500")
 class Math500Task(_FileTask):
+    """MATH-500 competition math (../shared/data/math500; test split only); the reference is
+    the answer field. Columns: solution, answer, subject, level, unique_id."""
+
     default_dir = "math500"
     file_splits = ("test",)
 
     def _row(self, split: str, index: int, record: dict) -> Row:
-        meta = {"task": "math500", "split": split, "index": index}
-        meta.update({k: record[k] for k in ("subject", "level", "unique_id") if k in record})
-        return make_row(f"math500-{split}-{index}", str(record["answer"]).strip(), meta,
+        return make_row(f"math500-{split}-{index}", str(record["answer"]).strip(),
+                        _columns(record, "problem"),
                         prompt=_with_instruction(record["problem"], self.instruction))

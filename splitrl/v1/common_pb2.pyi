@@ -27,7 +27,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., greedy: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("prompt_id", "token_ids", "text", "messages", "reference", "metadata", "seed", "has_seed")
+    __slots__ = ("prompt_id", "token_ids", "text", "messages", "reference", "metadata", "seed", "has_seed", "columns_json")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class Prompt(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_JSON_FIELD_NUMBER: _ClassVar[int]
     prompt_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -51,7 +52,8 @@ class Prompt(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     seed: int
     has_seed: bool
-    def __init__(self, prompt_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+    columns_json: str
+    def __init__(self, prompt_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., columns_json: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -1,3 +1,4 @@
+from splitrl.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreItem(_message.Message):
-    __slots__ = ("item_id", "prompt", "completion", "reference", "completion_tokens", "metadata", "truncated", "completion_raw")
+    __slots__ = ("item_id", "prompt", "completion", "reference", "completion_tokens", "metadata", "truncated", "completion_raw", "columns_json", "prompt_messages", "group_id", "completion_ids", "weight_version")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +24,11 @@ class ScoreItem(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_RAW_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     prompt: str
     completion: str
@@ -31,7 +37,12 @@ class ScoreItem(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     truncated: bool
     completion_raw: bytes
-    def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., truncated: _Optional[bool] = ..., completion_raw: _Optional[bytes] = ...) -> None: ...
+    columns_json: str
+    prompt_messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    group_id: str
+    completion_ids: _containers.RepeatedScalarFieldContainer[int]
+    weight_version: int
+    def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., truncated: _Optional[bool] = ..., completion_raw: _Optional[bytes] = ..., columns_json: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., group_id: _Optional[str] = ..., completion_ids: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items", "functions")
@@ -80,16 +91,18 @@ class ListRewardFunctionsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RewardFunctionInfo(_message.Message):
-    __slots__ = ("name", "weight", "description", "timeout_s")
+    __slots__ = ("name", "weight", "description", "timeout_s", "style")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STYLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     weight: float
     description: str
     timeout_s: float
-    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., description: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    style: str
+    def __init__(self, name: _Optional[str] = ..., weight: _Optional[float] = ..., description: _Optional[str] = ..., timeout_s: _Optional[float] = ..., style: _Optional[str] = ...) -> None: ...
 
 class ListRewardFunctionsReply(_message.Message):
     __slots__ = ("functions",)

@@ -3,6 +3,7 @@ and restarted from its checkpoint, and the staleness bound of asynchronous train
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections import Counter
@@ -30,7 +31,7 @@ FAST = ("trainer.eval_before=false", "trainer.eval_after=false")
 
 def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path):
     run_dir = tmp_path / "run"
-    # Long enough that the newcomer (tens of seconds to start and compile) joins mid-run.
+    # The newcomer joins mid-run: the trainer is paused while it starts (see below).
     steps, per_step = 150, 8
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
                      f"trainer.prompts_per_step={per_step}", "trainer.checkpoint.every=1000",
@@ -43,7 +44,15 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait()
         # A sampler started mid-run registers itself, receives the weights, then gets work.
-        newcomer = launcher.start_sampler(2)
+        # The trainer is paused while the newcomer starts (tens of seconds of imports and
+        # compilation), so the run cannot end before it is up, however loaded the machine.
+        trainer = launcher.procs["trainer"]
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            newcomer = launcher.start_sampler(2)
+            launcher.wait_healthy("sampler-2", newcomer)
+        finally:
+            trainer.send_signal(signal.SIGCONT)
 
         def newcomer_ready():
             try:
@@ -78,22 +87,29 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
                r.get("address", "").endswith(newcomer.rsplit(":", 1)[1]) for r in trainer_log)
 
 
-def test_trainer_killed_resumes_from_checkpoint(arith_model, tmp_path):
+def test_trainer_killed_resumes_from_checkpoint_with_dynamic_sampling(arith_model, tmp_path):
+    """kill -9 of the trainer mid-run under DAPO's dynamic sampling: it resumes from its last
+    checkpoint, every trained batch is full, and the final lineage trains or filters every
+    drawn prompt exactly once."""
     run_dir = tmp_path / "run"
-    steps, per_step, every = 16, 16, 6
+    steps, per_step, every = 24, 16, 6
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
                      f"trainer.prompts_per_step={per_step}",
                      f"trainer.checkpoint.every={every}", "trainer.checkpoint.async_save=false",
+                     "algorithm.filter_zero_variance=true", "algorithm.max_extra_draws=1000",
                      *FAST)
     launcher = Launcher(cfg)
     try:
         launcher.up()
-        wait_for(lambda: status_step(launcher) >= every + 2, 300, "a step after the checkpoint",
+        wait_for(lambda: status_step(launcher) >= every + 1, 300, "a step after a checkpoint",
                  launcher)
         trainer = launcher.procs["trainer"]
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
+        # Where the kill landed decides where the run resumes: the newest checkpoint.
+        saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
         before_kill = trained_records(run_dir)
+        assert before_kill[-1]["step"] >= saved >= every
         launcher.start_trainer()
         code = wait_exit(launcher, "trainer", 600)
         assert code == 0, tail(launcher.log_dir / "trainer.log")
@@ -102,21 +118,29 @@ def test_trainer_killed_resumes_from_checkpoint(arith_model, tmp_path):
 
     logs = log_records(launcher.log_dir / "trainer.log")
     resumed = [r for r in logs if r.get("msg") == "resumed from checkpoint"]
-    assert resumed and resumed[-1]["step"] == every and resumed[-1]["version"] == every
+    assert resumed and resumed[-1]["step"] == saved and resumed[-1]["version"] == saved
     # The samplers were rolled back to the checkpointed weights and version.
     synced = [r for r in logs if r.get("msg") == "sampler synced" and r.get("ok")]
-    assert {r["version"] for r in synced} >= {every}
-    # Training continued from the checkpointed step and data position: the final lineage
-    # (steps <= checkpoint from before the kill, the rest after the restart) trains every
-    # drawn prompt exactly once, in the order it was drawn.
+    assert {r["version"] for r in synced} >= {saved}
+    # The audit trail holds the final lineage, each step once; the steps the restart repeated
+    # are kept apart, marked with the step they were rolled back to.
     records = trained_records(run_dir)
-    after = records[len(before_kill):]
-    assert after[0]["step"] == every + 1 and after[-1]["step"] == steps
-    lineage = [r for r in before_kill if r["step"] <= every] + after
-    uids = [u for r in lineage for u in r["uids"]]
-    assert len(uids) == len(set(uids)) == steps * per_step
-    redone = {u for r in before_kill if r["step"] > every for u in r["uids"]}
-    assert redone <= {u for r in after for u in r["uids"]}, "lost steps were trained again"
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    rolled_back = [json.loads(line) for line in
+                   (run_dir / "trained_prompts.rolled_back.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rolled_back] == [r["step"] for r in before_kill
+                                                if r["step"] > saved]
+    assert all(r["rolled_back_to"] == saved for r in rolled_back)
+    # Dynamic sampling: flat groups were filtered and replaced, every batch is full, and every
+    # prompt drawn (in draw order, across the kill) was trained or filtered exactly once.
+    assert all(len(r["uids"]) == per_step for r in records)
+    filtered = [u for r in records for u in r["filtered"]]
+    assert filtered, "the untrained model scores many groups all 0: some must be filtered"
+    done = [u for r in records for u in r["uids"]] + filtered
+    assert len(done) == len(set(done))
+    assert sorted(int(u.rsplit("#", 1)[1]) for u in done) == list(range(len(done)))
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(m.get("counts/zero_variance_filtered", 0) for m in metrics) > 0
 
 
 def test_async_staleness_is_bounded_with_auth(arith_model, tmp_path):

@@ -61,6 +61,7 @@ def test_gsm8k_smoke_two_steps_and_eval(gsm8k_model, tmp_path, shared_data):
         "trainer.data.eval_size=16", "sampling.max_new_tokens=24",
         "sampler.max_sequence_length=512",
         "reward.functions=[{name: math_accuracy, weight: 1.0}]",
+        "reward.accuracy_function=math_accuracy",
     )
     assert launch(cfg) == 0
     summary = json.loads((run_dir / "summary.json").read_text())

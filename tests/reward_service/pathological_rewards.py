@@ -39,3 +39,14 @@ def wrong_length(prompts, completions, references, **kwargs):
 def completion_length(prompts, completions, references, scale=1.0):
     """len(completion) * scale: a well-behaved function without **kwargs."""
     return [scale * len(c) for c in completions]
+
+
+def batch_size(completions, **kwargs):
+    """TRL style: every completion scores the size of the batch it was called with."""
+    return [float(len(completions))] * len(completions)
+
+
+def typed_columns(completions, difficulty, tags, **kwargs):
+    """TRL style, columns with their JSON types: difficulty (an int) + the number of tags (a
+    list); a TypeError if either arrived as text."""
+    return [float(d + len(t)) for d, t in zip(difficulty, tags, strict=True)]

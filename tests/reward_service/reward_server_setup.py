@@ -9,6 +9,15 @@ MAX_ITEMS = 64
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 P = "pathological_rewards:"
+PUB = "published_rewards:"
+# Published reward functions (TRL's guide, EasyDeL's tutorial) and helpers of the calling
+# convention tests; weight 0 so that they leave the totals of the other tests alone.
+CONVENTION_FUNCTIONS = [
+    PUB + "trl_reward_token_count", PUB + "trl_reward_char_count", PUB + "trl_format_reward_func",
+    PUB + "trl_reward_ground_truth", PUB + "trl_math_reward_func", PUB + "trl_coding_reward_func",
+    PUB + "trl_async_reward_func", PUB + "format_reward", PUB + "accuracy_reward",
+    P + "batch_size", P + "typed_columns", P + "wrong_length",
+]
 SERVER_CONFIG = {
     "run_name": "reward-tests",
     "reward": {
@@ -27,6 +36,7 @@ SERVER_CONFIG = {
             {"name": P + "raise_error"},
             {"name": P + "return_nan"},
             {"name": P + "exit_process"},
+            *({"name": name, "weight": 0.0} for name in CONVENTION_FUNCTIONS),
         ],
     },
 }

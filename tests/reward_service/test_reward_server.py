@@ -7,7 +7,13 @@ import time
 
 import grpc
 import pytest
-from reward_server_setup import KILL_GRACE_S, MAX_ITEMS, TIMEOUT_S, USER_TIMEOUT_S
+from reward_server_setup import (
+    KILL_GRACE_S,
+    MAX_ITEMS,
+    SERVER_CONFIG,
+    TIMEOUT_S,
+    USER_TIMEOUT_S,
+)
 
 from splitrl.v1 import reward_pb2
 
@@ -69,7 +75,7 @@ def test_empty_function_list_means_all_configured(reward_stub):
     start = time.monotonic()
     reply = score(reward_stub, [item("3", "3", completion_tokens=1)])
     assert time.monotonic() - start < 2 * (USER_TIMEOUT_S + KILL_GRACE_S) + TIMEOUT_S + SLACK_S
-    assert len(reply.scores[0].scores) == 9
+    assert len(reply.scores[0].scores) == len(SERVER_CONFIG["reward"]["functions"])
     assert reply.scores[0].scores["math_accuracy"] == 1.0
     assert reply.scores[0].total == pytest.approx(2.0)  # math_accuracy + exact_answer
     assert set(reply.scores[0].reasons) >= {P + "sleep_forever", P + "raise_error"}

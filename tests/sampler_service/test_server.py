@@ -44,9 +44,11 @@ class FakeReward(reward_pb2_grpc.RewardServicer):
 
     def __init__(self):
         self.calls = 0
+        self.items = []
 
     def Score(self, request, context):
         self.calls += 1
+        self.items.extend(request.items)
         out = []
         for item in request.items:
             length = float(len(item.completion))
@@ -141,7 +143,8 @@ def _push_messages(info, params, version):
 
 def _prompts():
     """A text, a token-id and a chat prompt (also the shapes Rollout uses: one compile)."""
-    return [common_pb2.Prompt(prompt_id="a", text="1+2=", reference="3", metadata={"task": "add"}),
+    return [common_pb2.Prompt(prompt_id="a", text="1+2=", reference="3", metadata={"task": "add"},
+                              columns_json='{"level": 2}'),
             common_pb2.Prompt(prompt_id="b", token_ids=[5, 6, 7], reference="x"),
             common_pb2.Prompt(prompt_id="c", messages=[
                 common_pb2.ChatMessage(role="user", content="2+2=")])]
@@ -291,6 +294,20 @@ def test_rollout_streams_scored_groups(sampler, reward):
     a = next(g for g in groups if g.prompt_id == "a")
     assert a.reference == "3" and dict(a.metadata) == {"task": "add"}
     assert reward[1].calls >= 1
+    # What the reward functions get: each prompt's group, its columns, chat messages, the
+    # completion's token ids and the weight version that generated it.
+    items = {(i.prompt, i.completion, tuple(i.completion_ids)): i for i in reward[1].items}
+    by_prompt = {g.prompt_id: g for g in groups}
+    for prompt_id, columns, messages in (("a", '{"level": 2}', []),
+                                         ("c", "", [("user", "2+2=")])):
+        group_ids = set()
+        for c in by_prompt[prompt_id].completions:
+            scored = next(i for (_, text, ids), i in items.items()
+                          if text == c.text and list(ids) == list(c.token_ids))
+            group_ids.add(scored.group_id)
+            assert scored.columns_json == columns and scored.weight_version == 2
+            assert [(m.role, m.content) for m in scored.prompt_messages] == messages
+        assert len(group_ids) == 1 and group_ids != {""}
 
 
 def test_a_prompt_with_its_own_seed_samples_the_same_in_any_request(sampler):

@@ -34,3 +34,34 @@ def test_health_of_nothing_is_not_serving():
     )
     assert proc.returncode == 1
     assert "NOT_SERVING" in proc.stdout
+
+
+def test_list_rewards_shows_built_ins_with_options_and_the_configured_styles(capsys, tmp_path,
+                                                                              monkeypatch):
+    module = tmp_path / "my_rewards.py"
+    module.write_text("def think_format(completions, **kwargs):\n"
+                      "    return [1.0 if '<think>' in c else 0.0 for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["list", "rewards", "reward.functions=[{name: exact_answer}, "
+                 "{name: 'my_rewards:think_format', weight: 0.5}]"]) == 0
+    out = capsys.readouterr().out
+    assert "math_accuracy" in out and "options: max_chars=20000" in out
+    assert "length" in out and "options: max_tokens, buffer=0" in out
+    assert "exact_answer  weight 1, timeout 5 s, splitrl style" in out
+    assert "my_rewards:think_format  weight 0.5, timeout 5 s, trl style (completions, **kwargs)" \
+        in out
+
+
+def test_list_rewards_with_a_typo_in_a_module_exits_2_with_the_import_error(capsys):
+    assert main(["list", "rewards", "reward.functions=[{name: 'my_rewardz:f'}]"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import module 'my_rewardz': ModuleNotFoundError" in err
+
+
+def test_list_tasks_shows_options_splits_and_columns(capsys):
+    assert main(["list", "tasks"]) == 0
+    out = capsys.readouterr().out
+    for fragment in ("arithmetic: Single-digit addition", "options: max_operand=4",
+                     "splits: train, test", "gsm8k: GSM8K", "files: Any dataset",
+                     "prompt_field='question'", "math500", "docs/data.md"):
+        assert fragment in out, fragment

@@ -80,8 +80,9 @@ def test_math500_reference_is_the_answer_field(shared_data):
     raw = json.loads((shared_data / "math500" / "test.jsonl").read_text().splitlines()[0])
     assert rows[0]["reference"] == raw["answer"].strip()
     assert rows[0]["prompt"] == raw["problem"]
-    assert rows[0]["metadata"]["unique_id"] == raw["unique_id"]
-    assert all(isinstance(v, str) for v in rows[0]["metadata"].values())
+    # The other columns reach the reward functions with their types.
+    assert rows[0]["columns"] == {k: v for k, v in raw.items() if k != "problem"}
+    assert isinstance(rows[0]["columns"]["level"], int)
     with pytest.raises(ValueError, match="no split 'train'"):
         task.rows("train")
 
@@ -101,3 +102,22 @@ def test_files_task_maps_fields_and_accepts_chat_messages(tmp_path):
     with pytest.raises(ValueError, match="prompt_field='question' is not a column"):
         get_task("files", path=str(data)).rows("train")
     assert get_task("files", path=str(data)).splits == ("train",)
+
+
+def test_files_task_passes_every_other_column_with_its_type(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "1+1?", "answer": "2", "difficulty": 1, "tags": ["easy"]},
+        {"question": "9*9?", "answer": "81", "difficulty": 3, "tags": ["mul", "hard"]},
+    ]) + "\n")
+    rows = get_task("files", path=str(data)).rows("train")
+    assert rows[1]["columns"] == {"answer": "81", "difficulty": 3, "tags": ["mul", "hard"]}
+    reserved = tmp_path / "reserved.jsonl"
+    reserved.write_text(json.dumps({"question": "q", "answer": "a", "completions": 1}) + "\n")
+    with pytest.raises(ValueError, match="'completions'.*reserved keyword"):
+        get_task("files", path=str(reserved)).rows("train")
+    # An answer column called `reference` is the reference: it is not passed twice.
+    named = tmp_path / "named.jsonl"
+    named.write_text(json.dumps({"question": "q", "reference": "7", "id": 3}) + "\n")
+    row = get_task("files", path=str(named), answer_field="reference").rows("train")[0]
+    assert row["reference"] == "7" and row["columns"] == {"id": 3}

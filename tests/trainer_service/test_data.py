@@ -8,7 +8,6 @@ import pytest
 
 from splitrl.config import DataConfig
 from splitrl.tasks import get_task
-from splitrl.tokenizer import load_tokenizer, train_bpe_tokenizer
 from trainer_service.orchestration.data import PromptStream
 
 
@@ -77,7 +76,7 @@ def test_eval_rows_are_the_table_in_order_and_limited():
     assert len(stream.eval_rows()) == 5 and len(stream.eval_rows(100)) == 25
 
 
-def test_system_prompt_and_chat_template_formatting(tmp_path):
+def test_system_prompt_and_chat_template_formatting():
     plain = arithmetic_stream(system_prompt="Add.", shuffle=False).next_batch(1)[0]
     assert plain["prompt"] == "Add.\n\n0+0=" and plain["messages"] is None
     chat = arithmetic_stream(system_prompt="Add.", chat_template=True, shuffle=False)
@@ -85,10 +84,8 @@ def test_system_prompt_and_chat_template_formatting(tmp_path):
     assert row["prompt"] is None
     assert row["messages"] == [{"role": "system", "content": "Add."},
                                {"role": "user", "content": "0+0="}]
-    tok_dir = train_bpe_tokenizer(["0+0=1 hello"], tmp_path / "tok", vocab_size=300)
-    rendered = arithmetic_stream(chat_template=True, shuffle=False,
-                                 tokenizer=load_tokenizer(tok_dir)).next_batch(1)[0]
-    assert rendered["prompt"] == "<|im_start|>user\n0+0=<|im_end|>\n<|im_start|>assistant\n"
+    # The columns go along (typed) for the reward functions.
+    assert row["columns"] == {"a": 0, "b": 0} and plain["columns"] == {"a": 0, "b": 0}
 
 
 def test_from_config_with_local_files_maps_fields(tmp_path):

@@ -98,17 +98,13 @@ def test_later_epochs_measure_the_ratio_against_the_first_epoch_and_report_metri
     assert int(learner.opt_state[1][0].count) == 3  # one optimizer update per epoch
 
 
-def test_zero_variance_groups_are_filtered_and_an_empty_batch_is_skipped():
-    learner = make_learner(mesh_of(2), algorithm=AlgorithmConfig(filter_zero_variance=True),
-                           optimizer=CONSTANT_LR)
-    batch = rollout_batch(5)
-    batch.rewards[:4] = 1.0  # group 0 all correct: zero variance
-    m = learner.train_step(_on_policy(learner, batch))
-    assert m["filtered_sequences"] == 4 and m["tokens"] == 10
-    batch.rewards[:] = 0.0
+def test_a_batch_without_completion_tokens_is_skipped_without_an_update():
+    learner = make_learner(mesh_of(2), optimizer=CONSTANT_LR)
+    batch = _on_policy(learner, rollout_batch(5))
+    batch.completion_mask[:] = False
     before = {k: np.asarray(v) for k, v in learner.params.items()}
-    m = learner.train_step(_on_policy(learner, batch))
-    assert m["skipped"] == 1.0
+    m = learner.train_step(batch)
+    assert m["skipped"] == 1.0 and learner.step == 0
     for k, v in learner.params.items():
         np.testing.assert_array_equal(v, before[k])
 

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from splitrl.config import AlgorithmConfig
 from trainer_service.learning import advantages as adv_lib
 from trainer_service.learning import losses as L
 
@@ -33,7 +34,7 @@ GRPO_BY_MODE = {
     "token-mean": (sum(ROW0) + sum(ROW1)) / 5,
     "seq-mean-token-mean": (sum(ROW0) / 3 + sum(ROW1) / 2) / 2,
     "seq-mean-token-sum": (sum(ROW0) + sum(ROW1)) / 2,
-    "constant": (sum(ROW0) + sum(ROW1)) / (2 * 4),  # C defaults to T = 4
+    "constant": (sum(ROW0) + sum(ROW1)) / (2 * 3),  # C = 3, the generation budget
 }
 
 
@@ -60,7 +61,7 @@ def test_registries_hold_every_configurable_name():
 
 @pytest.mark.parametrize("mode", sorted(GRPO_BY_MODE))
 def test_grpo_clip_higher_every_aggregation_matches_hand_values(mode):
-    loss, m = _loss(aggregation=mode, eps_low=0.2, eps_high=0.28)
+    loss, m = _loss(aggregation=mode, eps_low=0.2, eps_high=0.28, constant_normalizer=3)
     np.testing.assert_allclose(loss, GRPO_BY_MODE[mode], rtol=1e-6)
     np.testing.assert_allclose(m["policy_loss"], GRPO_BY_MODE[mode], rtol=1e-6)
     np.testing.assert_allclose(m["clip_frac_high"], 1 / 5)
@@ -73,6 +74,31 @@ def test_grpo_clip_higher_every_aggregation_matches_hand_values(mode):
 def test_constant_normaliser_is_dr_grpo_budget():
     loss, _ = _loss(aggregation="constant", constant_normalizer=10, eps_low=0.2, eps_high=0.28)
     np.testing.assert_allclose(loss, (sum(ROW0) + sum(ROW1)) / (2 * 10), rtol=1e-6)
+    with pytest.raises(ValueError, match="constant_normalizer must be > 0"):
+        _loss(aggregation="constant")
+
+
+def test_constant_normaliser_defaults_to_the_generation_budget_not_the_padded_width():
+    # The padded width depends on the prompt: a 3-token and a 20-token prompt with the same
+    # 4-token completions gave C = 7 and C = 31. Dr.GRPO divides by the fixed budget.
+    settings = L.loss_settings(AlgorithmConfig(aggregation="constant"), generation_budget=8)
+    assert settings["constant_normalizer"] == 8
+    completion = np.array([0.5, -0.25, 1.0, 0.125], np.float32)
+    losses = []
+    for prompt_len in (3, 20):
+        width = prompt_len + len(completion)
+        values = np.zeros((1, width), np.float32)
+        values[0, prompt_len:] = completion
+        mask = np.zeros((1, width), np.float32)
+        mask[0, prompt_len:] = 1
+        losses.append(float(L.aggregate(jnp.asarray(values), jnp.asarray(mask), "constant",
+                                        constant_normalizer=settings["constant_normalizer"])))
+    assert losses[0] == losses[1] == pytest.approx(completion.sum() / 8)
+    explicit = L.loss_settings(AlgorithmConfig(aggregation="constant", constant_normalizer=5),
+                               generation_budget=8)
+    assert explicit["constant_normalizer"] == 5
+    with pytest.raises(ValueError, match="needs algorithm.constant_normalizer"):
+        L.loss_settings(AlgorithmConfig(aggregation="constant"))
 
 
 def test_grpo_dual_clip_bounds_negative_advantage_loss():
@@ -197,13 +223,15 @@ def test_micro_batches_with_global_normalisers_add_up_to_the_batch(mode):
     mask[4] = 0
     adv = rng.normal(size=6).astype(np.float32)
     kw = dict(aggregation=mode, beta=0.05, ref=jnp.asarray(old - 0.1), entropy=-jnp.asarray(logp),
-              entropy_coef=0.01, tis_cap=1.5, sampler=jnp.asarray(old + 0.05))
+              entropy_coef=0.01, tis_cap=1.5, sampler=jnp.asarray(old + 0.05),
+              constant_normalizer=5)
     for name in L.POLICY_LOSSES:
         full, fm = L.compute_loss(logp, old, adv, mask, loss=name, **kw)
         counts = dict(num_tokens=mask.sum(), num_sequences=(mask.sum(-1) > 0).sum())
         parts = []
         for rows in (slice(0, 2), slice(2, 6)):
-            sub = {k: (v[rows] if k in ("ref", "entropy", "sampler") else v) for k, v in kw.items()}
+            sub = {k: (v[rows] if k in ("ref", "entropy", "sampler") else v)
+                   for k, v in kw.items()}
             parts.append(L.compute_loss(logp[rows], old[rows], adv[rows], mask[rows], loss=name,
                                         **sub, **counts))
         np.testing.assert_allclose(parts[0][0] + parts[1][0], full, rtol=1e-5, atol=1e-7)

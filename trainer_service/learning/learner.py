@@ -47,7 +47,6 @@ from splitrl.models import (
     state_from_hf,
     token_logprobs,
 )
-from trainer_service.learning import advantages as adv_lib
 from trainer_service.learning import losses
 from trainer_service.learning.optim import make_optimizer
 
@@ -116,6 +115,7 @@ class Learner:
         temperature: float = 1.0,
         logprob_chunk_size: int = 256,
         reference: CausalLM | None = None,
+        generation_budget: int | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training logprobs, got {temperature}")
@@ -127,7 +127,7 @@ class Learner:
         self.epochs = epochs_per_batch
         self.temperature = temperature
         self.chunk_size = logprob_chunk_size
-        self.loss_settings = losses.loss_settings(algorithm)
+        self.loss_settings = losses.loss_settings(algorithm, generation_budget)
         self.tx, self.schedule = make_optimizer(optimizer, updates_per_step=epochs_per_batch)
         self.step = 0  # train steps done
 
@@ -162,14 +162,15 @@ class Learner:
             epochs_per_batch=cfg.trainer.epochs_per_batch,
             temperature=cfg.sampling.temperature or 1.0,  # greedy samplers report T = 1
             logprob_chunk_size=cfg.model.logprob_chunk_size,
+            generation_budget=cfg.sampling.max_new_tokens,
         )
 
     # ------------------------------------------------------------------ the algorithm
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One GRPO/GSPO update on `batch`; returns the step's metrics (host floats)."""
-        completion_mask, filtered = self._filter(batch)  # optional zero-variance filter
-        metrics = self._batch_metrics(batch, completion_mask, filtered)
+        completion_mask = np.asarray(batch.completion_mask, bool)
+        metrics = self._batch_metrics(batch, completion_mask)
         counts = {  # the full batch's normalisers, shared by every micro-batch
             "num_tokens": float(completion_mask[:, 1:].sum()),
             "num_sequences": float((completion_mask.sum(-1) > 0).sum()),
@@ -234,16 +235,6 @@ class Learner:
             return None
         return _forward(self._spec, self.ref_params, mb)[0]
 
-    def _filter(self, batch: TrainBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Completion mask with zero-variance groups removed (if configured), and that mask."""
-        mask = np.asarray(batch.completion_mask, bool)
-        zero_var = np.zeros(mask.shape[0], bool)
-        if self.algorithm.filter_zero_variance:
-            signal = batch.rewards if batch.rewards is not None else batch.advantages
-            zero_var = np.asarray(adv_lib.zero_variance_mask(signal, batch.group_ids))
-            mask = mask & ~zero_var[:, None]
-        return mask, zero_var
-
     def _micro_batches(self, batch: TrainBatch, completion_mask) -> list[dict[str, jax.Array]]:
         """Split into micro-batches of equal size (the last padded with fully masked rows, so
         one compiled step serves all), each sharded over the mesh's data-parallel axes."""
@@ -276,7 +267,7 @@ class Learner:
             self.mesh, PartitionSpec(spec_axis, *([None] * (ndim - 1)))
         )
 
-    def _batch_metrics(self, batch: TrainBatch, completion_mask, filtered) -> dict[str, float]:
+    def _batch_metrics(self, batch: TrainBatch, completion_mask) -> dict[str, float]:
         a = np.asarray(batch.advantages, np.float64)
         lengths = completion_mask.sum(-1)
         out = {
@@ -285,7 +276,6 @@ class Learner:
             "tokens": float(lengths.sum()),
             "sequences": float(len(a)),
             "completion_length_mean": float(lengths.mean()),
-            "filtered_sequences": float(filtered.sum()),
         }
         if batch.rewards is not None:
             r = np.asarray(batch.rewards, np.float64)

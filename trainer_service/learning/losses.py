@@ -220,7 +220,9 @@ def aggregate(
         seq-mean-token-mean  (1/S) sum_i [sum_t m x / sum_t m]      (GRPO paper, GSPO)
         seq-mean-token-sum   (1/S) sum_i sum_t m x
         constant             sum_i,t m x / (S * C)                  (Dr.GRPO; C =
-                             constant_normalizer, default T, the padded completion budget)
+                             constant_normalizer, the generation budget max_new_tokens:
+                             a fixed number, never the padded width, which depends on
+                             prompt lengths and bucketing)
 
     num_tokens / num_sequences override N / S (pass the full batch's counts when `values` is a
     micro-batch so the micro-batch results add up to the full-batch value).
@@ -241,9 +243,10 @@ def aggregate(
     if mode == "seq-mean-token-sum":
         return row_sum.sum() / num_sequences
     if mode == "constant":
-        c = values.shape[-1] if constant_normalizer is None else constant_normalizer
-        if c <= 0:
-            raise ValueError(f"constant_normalizer must be > 0, got {c}")
+        c = constant_normalizer
+        if c is None or c <= 0:
+            raise ValueError("aggregation 'constant' divides by a fixed generation budget: "
+                             f"constant_normalizer must be > 0 (e.g. max_new_tokens), got {c}")
         return row_sum.sum() / (num_sequences * c)
     raise ValueError(f"unknown aggregation {mode!r}; expected one of {AGGREGATIONS}")
 
@@ -350,8 +353,18 @@ def compute_loss(
     return total, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-def loss_settings(algorithm) -> dict:
-    """compute_loss keyword arguments from an AlgorithmConfig (splitrl.config)."""
+def loss_settings(algorithm, generation_budget: int | None = None) -> dict:
+    """compute_loss keyword arguments from an AlgorithmConfig (splitrl.config).
+
+    `constant_normalizer` unset means Dr.GRPO's constant: the generation budget
+    (`sampling.max_new_tokens`), which the caller passes as `generation_budget`.
+    """
+    constant = algorithm.constant_normalizer
+    if constant is None:
+        constant = generation_budget
+    if algorithm.aggregation == "constant" and constant is None:
+        raise ValueError("algorithm.aggregation 'constant' needs algorithm.constant_normalizer "
+                         "or the generation budget (sampling.max_new_tokens)")
     return dict(
         loss=algorithm.loss,
         aggregation=algorithm.aggregation,
@@ -359,7 +372,7 @@ def loss_settings(algorithm) -> dict:
         eps_high=algorithm.eps_high,
         dual_clip=algorithm.dual_clip,
         logratio_clamp=algorithm.logratio_clamp,
-        constant_normalizer=algorithm.constant_normalizer,
+        constant_normalizer=constant,
         beta=algorithm.beta,
         kl_estimator=algorithm.kl_estimator,
         tis_cap=algorithm.tis_cap,

@@ -14,6 +14,11 @@ served twice. `epochs=None` streams forever.
 
 Served rows carry the epoch they belong to; `(prompt_id, epoch)` identifies one use of a
 prompt, which is what a run counts to show every prompt was trained on exactly once.
+
+Given a tokenizer and a token limit (`PromptStream.for_run`: `data.max_prompt_tokens`, by
+default `sampler.max_sequence_length - sampling.max_new_tokens`), every row is measured at load
+as the sampler will encode it, and the rows too long for a sampler are dropped, truncated or
+refused (`data.long_prompt_policy`, see `prompt_length.py`) before any is served.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from splitrl.config import DataConfig
+from splitrl.config import Config, DataConfig
 from splitrl.tasks import Row, Task, get_task
 from splitrl.tokenizer import build_messages, render_prompt
+from trainer_service.orchestration.prompt_length import LengthReport, fit_split, token_counter
 
 STATE_VERSION = 1
 
@@ -45,24 +51,22 @@ def build_task(config: DataConfig) -> Task:
         raise ValueError(f"data: {e}") from None
 
 
-def format_row(row: Row, *, system_prompt: str | None = None, chat_template: bool = False,
-               tokenizer=None) -> Row:
+def format_row(row: Row, *, system_prompt: str | None = None,
+               chat_template: bool = False) -> Row:
     """A task row as it is sent to a sampler.
 
     With `chat_template` (or when the row already holds messages) the prompt becomes chat
-    `messages` (the system prompt first), or, given a `tokenizer`, the text its chat template
-    renders. Otherwise the prompt is plain text, prefixed by the system prompt and a blank line.
+    `messages` (the system prompt first), which the sampler renders with the model's chat
+    template and hands to the reward functions as messages (TRL's conversational format).
+    Otherwise the prompt is plain text, prefixed by the system prompt and a blank line.
+    `columns` (the dataset's other columns) go along for the reward functions.
     """
     out = {k: row[k] for k in ("prompt_id", "reference")}
-    out["metadata"] = dict(row.get("metadata") or {})
+    out["columns"] = dict(row.get("columns") or {})
     messages = row.get("messages")
     if messages is not None or chat_template:
-        msgs = build_messages(row.get("prompt"), messages, system_prompt)
-        if tokenizer is not None:
-            out["prompt"] = render_prompt(tokenizer, messages=msgs)
-            out["messages"] = None
-        else:
-            out["prompt"], out["messages"] = None, msgs
+        out["prompt"] = None
+        out["messages"] = build_messages(row.get("prompt"), messages, system_prompt)
     else:
         out["prompt"] = render_prompt(None, row["prompt"], system_prompt=system_prompt)
         out["messages"] = None
@@ -75,7 +79,8 @@ class PromptStream:
     def __init__(self, rows: Sequence[Row], *, eval_rows: Sequence[Row] | None = None,
                  seed: int = 0, epochs: int | None = None, shuffle: bool = True,
                  system_prompt: str | None = None, chat_template: bool = False,
-                 eval_size: int | None = None, tokenizer=None, task: Task | None = None):
+                 eval_size: int | None = None, task: Task | None = None,
+                 length_reports: dict[str, LengthReport] | None = None):
         if len(rows) == 0:
             raise ValueError("data: the training split has no rows")
         if seed < 0:
@@ -90,26 +95,53 @@ class PromptStream:
         self.system_prompt = system_prompt
         self.chat_template = chat_template
         self.eval_size = eval_size
-        self.tokenizer = tokenizer
         self.task = task
+        # What the prompt length check found per split ("train", "eval"), when it ran.
+        self.length_reports = dict(length_reports or {})
         self._epoch = 0
         self._index = 0
         self._served = 0
         self._order_cache: tuple[int, np.ndarray] | None = None
 
     @classmethod
-    def from_config(cls, config: DataConfig, *, tokenizer=None) -> PromptStream:
-        """Loads `config.split` (and `config.eval_split`, if set) of the configured task."""
+    def for_run(cls, cfg: Config, *, tokenizer) -> PromptStream:
+        """The run's prompts (`cfg.trainer.data`), with the rows too long for the samplers
+        handled by `data.long_prompt_policy` against `cfg.prompt_token_limit()`."""
+        return cls.from_config(cfg.trainer.data, tokenizer=tokenizer,
+                               max_prompt_tokens=cfg.prompt_token_limit())
+
+    @classmethod
+    def from_config(cls, config: DataConfig, *, tokenizer=None,
+                    max_prompt_tokens: int | None = None) -> PromptStream:
+        """Loads `config.split` (and `config.eval_split`, if set) of the configured task; with
+        a tokenizer and `max_prompt_tokens`, fits every row in that many tokens."""
         task = build_task(config)
         for key, split in (("split", config.split), ("eval_split", config.eval_split)):
             if split is not None and split not in task.splits:
                 raise ValueError(f"data.{key}: task {config.task!r} has no split {split!r} "
                                  f"(splits: {list(task.splits)}; eval_split may be null)")
-        eval_rows = task.rows(config.eval_split) if config.eval_split is not None else None
-        return cls(task.rows(config.split), eval_rows=eval_rows, seed=config.shuffle_seed,
+        splits = {"train": task.rows(config.split)}
+        if config.eval_split is not None:
+            splits["eval"] = task.rows(config.eval_split)
+        reports = {}
+        if tokenizer is not None and max_prompt_tokens is not None:
+            count = token_counter(tokenizer, lambda row: format_row(
+                row, system_prompt=config.system_prompt, chat_template=config.chat_template))
+            for name, rows in list(splits.items()):
+                split = config.split if name == "train" else config.eval_split
+                splits[name], reports[name] = fit_split(
+                    rows, split=split, limit=max_prompt_tokens,
+                    policy=config.long_prompt_policy, count=count, tokenizer=tokenizer)
+        return cls(splits["train"], eval_rows=splits.get("eval"), seed=config.shuffle_seed,
                    epochs=config.epochs, system_prompt=config.system_prompt,
                    chat_template=config.chat_template, eval_size=config.eval_size,
-                   tokenizer=tokenizer, task=task)
+                   task=task, length_reports=reports)
+
+    def length_metrics(self) -> dict[str, float]:
+        """Rows the prompt length check dropped or truncated (0 when it did not run)."""
+        reports = self.length_reports.values()
+        return {"data/long_prompts_dropped": float(sum(len(r.dropped) for r in reports)),
+                "data/long_prompts_truncated": float(sum(len(r.truncated) for r in reports))}
 
     # -- cursor -------------------------------------------------------------------------------
 
@@ -200,4 +232,4 @@ class PromptStream:
 
     def _format(self, row: Row) -> Row:
         return format_row(row, system_prompt=self.system_prompt,
-                          chat_template=self.chat_template, tokenizer=self.tokenizer)
+                          chat_template=self.chat_template)

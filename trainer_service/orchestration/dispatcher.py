@@ -1,31 +1,42 @@
-"""Hands prompts to samplers and collects their scored groups into the buffer.
+"""Sends the queue's work to samplers and reports what comes back.
 
-The trainer *pulls*: it keeps enough ``Rollout`` requests in flight to feed the coming steps,
-each to a ready sampler with spare capacity, and streams the groups back into the
-:class:`~trainer_service.orchestration.rollouts.RolloutBuffer`. A prompt whose sampler fails
-(call error, dead process, dropped from the pool) before its group came back goes to the front
-of the queue and is handed to another sampler; a prompt is never given to two samplers at once.
+The trainer *pulls*: a dispatch thread asks the :class:`~trainer_service.orchestration.queue.
+RolloutQueue` for a request's worth of items for each ready sampler with spare capacity,
+sends it as one ``Rollout`` call, and streams the scored groups back into the queue. The queue
+owns the items (what is queued, in flight, buffered); this class owns only the calls, so it can
+cancel them, and tells the sampler pool how each sampler behaved.
+
+How a call ends decides what happens next:
+
+- complete: the groups are the queue's; the sampler is healthy;
+- FAILED_PRECONDITION: the sampler's weights are older than the request allows (it restarted,
+  or a push is on its way); it is re-synced, not blamed;
+- INVALID_ARGUMENT: the sampler refused the request as invalid; the queue isolates and, the
+  second time, drops the prompt (no endless re-dispatch);
+- UNAVAILABLE naming the reward service: scoring is down, not the sampler; dispatching pauses
+  with an exponential back-off instead of re-sending in a tight loop;
+- anything else (a dead process, a timeout): the sampler is suspect; the items go back to the
+  queue for another sampler.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import math
 import threading
 import time
-import uuid
-from collections import deque
-from collections.abc import Callable
 
 import grpc
 
 from splitrl.config import SamplingConfig
+from splitrl.reward_protocol import encode_columns
 from splitrl.v1 import common_pb2, sampler_pb2
-from trainer_service.orchestration.membership import READY, SamplerHandle, SamplerPool
-from trainer_service.orchestration.rollouts import Completion, RolloutBuffer, RolloutGroup, WorkItem
+from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
+from trainer_service.orchestration.queue import Claim, Failure, RolloutQueue
+from trainer_service.orchestration.rollouts import Completion, RolloutGroup, WorkItem
 
 log = logging.getLogger(__name__)
+
+_BACKOFF_START_S, _BACKOFF_MAX_S = 0.5, 8.0
 
 
 def sampling_params(cfg: SamplingConfig, *, greedy: bool = False) -> common_pb2.SamplingParams:
@@ -41,12 +52,15 @@ def sampling_params(cfg: SamplingConfig, *, greedy: bool = False) -> common_pb2.
     )
 
 
-def prompt_message(uid: str, row: dict) -> common_pb2.Prompt:
-    """A data row as a wire ``Prompt`` (text, chat messages or token ids)."""
+def prompt_message(item: WorkItem) -> common_pb2.Prompt:
+    """A work item as a wire ``Prompt`` (text, chat messages or token ids) with its seed."""
+    row = item.row
     prompt = common_pb2.Prompt(
-        prompt_id=uid,
+        prompt_id=item.uid,
         reference=str(row.get("reference", "")),
-        metadata={str(k): str(v) for k, v in (row.get("metadata") or {}).items()},
+        columns_json=encode_columns(row.get("columns")),  # typed, for the reward functions
+        seed=item.seed,
+        has_seed=True,
     )
     if row.get("messages"):
         for m in row["messages"]:
@@ -58,93 +72,51 @@ def prompt_message(uid: str, row: dict) -> common_pb2.Prompt:
     return prompt
 
 
-def group_from_wire(item: WorkItem, msg: sampler_pb2.ScoredGroup) -> RolloutGroup:
+def group_from_wire(item: WorkItem, msg: sampler_pb2.ScoredGroup,
+                    request_id: str = "") -> RolloutGroup:
+    completions = [
+        Completion(
+            token_ids=list(c.token_ids),
+            logprobs=list(c.logprobs),
+            reward=c.total_reward,
+            rewards=dict(c.rewards),
+            finish_reason=c.finish_reason,
+            text=c.text,
+            reasons=dict(c.reward_reasons),
+            weight_versions=list(c.weight_versions) or [msg.weight_version],
+        )
+        for c in msg.completions
+    ]
+    oldest = min((v for c in completions for v in c.weight_versions), default=msg.weight_version)
     return RolloutGroup(
         item=item,
         prompt_token_ids=list(msg.prompt_token_ids),
-        completions=[
-            Completion(
-                token_ids=list(c.token_ids),
-                logprobs=list(c.logprobs),
-                reward=c.total_reward,
-                rewards=dict(c.rewards),
-                finish_reason=c.finish_reason,
-                text=c.text,
-            )
-            for c in msg.completions
-        ],
-        weight_version=msg.weight_version,
+        completions=completions,
+        weight_version=oldest,
         sampler_id=msg.sampler_id,
+        request_id=request_id,
         generate_s=msg.timings.generate_s,
         score_s=msg.timings.score_s,
     )
 
 
 class Dispatcher:
-    """Keeps samplers busy with the queued work items."""
+    """Keeps samplers busy with the queue's work; see the module docstring."""
 
-    def __init__(
-        self,
-        pool: SamplerPool,
-        buffer: RolloutBuffer,
-        *,
-        group_size: int,
-        sampling: SamplingConfig,
-        min_version: Callable[[], int],
-        metadata: tuple = (),
-        rollout_timeout_s: float = 600.0,
-    ):
+    def __init__(self, pool: SamplerPool, queue: RolloutQueue, *, metadata: tuple = (),
+                 rollout_timeout_s: float = 600.0):
         self.pool = pool
-        self.buffer = buffer
-        self.group_size = group_size
-        self.sampling = sampling_params(sampling)
-        self.min_version = min_version
+        self.queue = queue
         self.metadata = metadata
         self.rollout_timeout_s = rollout_timeout_s
-        self._pending: deque[WorkItem] = deque()
-        self._inflight: dict[str, tuple[SamplerHandle, list[WorkItem], grpc.Future]] = {}
-        self._lock = threading.Condition()
+        self._calls: dict[str, grpc.Future] = {}
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-        self._seeds_used = 0
-        self.redispatched = 0
-        self.dispatched = 0
+        self._backoff_s = 0.0
+        self._paused_until = 0.0
 
-    # -- queue ----------------------------------------------------------------------------
-
-    def submit(self, items: list[WorkItem]) -> None:
-        with self._lock:
-            self._pending.extend(items)
-            self._lock.notify_all()
-
-    def requeue(self, item: WorkItem) -> None:
-        """Put ``item`` back at the front: it will be handed to a sampler again."""
-        item.attempts += 1
-        with self._lock:
-            self.redispatched += 1
-            self._pending.appendleft(item)
-            self._lock.notify_all()
-
-    def outstanding(self) -> int:
-        """Work items queued or being rolled out (not yet in the buffer)."""
-        with self._lock:
-            return len(self._pending) + sum(len(v[1]) for v in self._inflight.values())
-
-    def unfinished_items(self) -> list[WorkItem]:
-        """Queued and in-flight items, for the checkpoint (nothing is lost on a restart)."""
-        with self._lock:
-            inflight = [i for _, items, _ in self._inflight.values() for i in items]
-            return inflight + list(self._pending)
-
-    def cancel_sampler(self, handle: SamplerHandle) -> None:
-        """Cancel the calls in flight on ``handle`` (it left the pool); their items requeue."""
-        with self._lock:
-            calls = [c for h, _, c in self._inflight.values() if h is handle and c is not None]
-        for call in calls:
-            call.cancel()
-
-    # -- dispatch loop --------------------------------------------------------------------
+    # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="dispatcher", daemon=True)
@@ -153,8 +125,7 @@ class Dispatcher:
     def stop(self) -> None:
         self._stop.set()
         with self._lock:
-            self._lock.notify_all()
-            calls = [c for _, _, c in self._inflight.values() if c is not None]
+            calls = list(self._calls.values())
         for call in calls:
             call.cancel()
         if self._thread is not None:
@@ -164,108 +135,99 @@ class Dispatcher:
         while not self._stop.is_set():
             launched = False
             try:
-                launched = self._dispatch_once()
+                if time.monotonic() >= self._paused_until:
+                    launched = self.dispatch_once()
             except Exception:  # never let dispatch die silently; log and keep going
                 log.exception("dispatch round failed")
             if not launched:
-                with self._lock:
-                    self._lock.wait(timeout=0.1)
+                if self.queue.has_queued():
+                    self._stop.wait(0.05)  # work but no free sampler: poll the pool again
+                else:
+                    self.queue.wait_for_work(0.2)
 
-    def _dispatch_once(self) -> bool:
-        min_version = self.min_version()
-        samplers = [
-            h for h in self.pool.ready() if h.state == READY and h.weight_version >= min_version
-        ]
+    # -- dispatch -------------------------------------------------------------------------
+
+    def dispatch_once(self) -> bool:
+        """One round: at most one new request per ready sampler. True if any was sent."""
+        ready = self.pool.ready()
         launched = False
-        for handle in samplers:
-            with self._lock:
-                if not self._pending:
-                    break
-                slots = max(1, handle.capacity // self.group_size) - handle.inflight
-                if slots <= 0:
-                    continue
-                share = math.ceil(len(self._pending) / len(samplers))
-                items = [self._pending.popleft() for _ in range(min(slots, share))]
-                # Registered as in flight in the same critical section that took them from
-                # the queue: outstanding() and checkpoints never miss an item.
-                request_id = f"r{next(self._ids)}-{uuid.uuid4().hex[:6]}"
-                self._inflight[request_id] = (handle, items, None)
-                handle.inflight += len(items)
-                self.dispatched += len(items)
+        for handle in ready:
+            claim = self.queue.claim(handle.address, handle.weight_version, handle.capacity,
+                                     len(ready))
+            if claim is None:
+                continue
             try:
-                self._launch(request_id, handle, items, min_version)
+                self._launch(handle, claim)
             except Exception as e:  # the call could not even start: the items go back
-                with self._lock:
-                    self._inflight.pop(request_id, None)
-                    handle.inflight -= len(items)
-                    self._pending.extendleft(reversed(items))
+                self.queue.finish(claim.request_id, Failure(f"rollout could not start: {e}"))
                 self.pool.report_failure(handle, f"rollout could not start: {e}")
                 continue
             launched = True
         return launched
 
-    def _launch(
-        self, request_id: str, handle: SamplerHandle, items: list[WorkItem], min_version: int
-    ) -> None:
-        sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(self.sampling)
-        # A seed per request, derived from the run's seed: reproducible samples for a request,
-        # fresh noise for every request (one fixed seed would repeat the same draws each step).
-        sampling.seed = (self.sampling.seed * 1_000_003 + self._seeds_used) % (1 << 63)
-        self._seeds_used += 1
+    def _launch(self, handle: SamplerHandle, claim: Claim) -> None:
         request = sampler_pb2.RolloutRequest(
-            request_id=request_id,
-            prompts=[prompt_message(i.uid, i.row) for i in items],
-            group_size=self.group_size,
-            sampling=sampling,
-            min_version=min_version,
+            request_id=claim.request_id,
+            prompts=[prompt_message(i) for i in claim.items],
+            group_size=claim.lane.group_size,
+            sampling=claim.lane.sampling,
+            min_version=claim.min_version,
+            reproducible=claim.lane.reproducible,
         )
-        call = handle.stub.Rollout(
-            request, timeout=self.rollout_timeout_s, metadata=self.metadata
-        )
+        call = handle.stub.Rollout(request, timeout=self.rollout_timeout_s,
+                                   metadata=self.metadata)
         with self._lock:
-            self._inflight[request_id] = (handle, items, call)
-        threading.Thread(
-            target=self._consume, args=(request_id, handle, items, call), daemon=True,
-            name=f"rollout-{request_id}",
-        ).start()
+            self._calls[claim.request_id] = call
+        threading.Thread(target=self._consume, args=(handle, claim, call), daemon=True,
+                         name=f"rollout-{claim.request_id}").start()
 
-    def _consume(self, request_id, handle: SamplerHandle, items: list[WorkItem], call) -> None:
-        by_uid = {i.uid: i for i in items}
-        done: set[str] = set()
+    def _consume(self, handle: SamplerHandle, claim: Claim, call) -> None:
+        by_uid = {i.uid: i for i in claim.items}
+        failure: Failure | None = None
         start = time.monotonic()
         try:
             for msg in call:
                 item = by_uid.get(msg.prompt_id)
-                if item is None or msg.prompt_id in done:
-                    log.warning("unexpected group", extra={"prompt_id": msg.prompt_id})
+                if item is None:
+                    log.warning("unexpected group", extra={"prompt_id": msg.prompt_id,
+                                                           "request_id": claim.request_id})
                     continue
-                done.add(msg.prompt_id)
-                self.buffer.put(group_from_wire(item, msg))
+                self.queue.deliver(claim.request_id, group_from_wire(item, msg,
+                                                                     claim.request_id))
             self.pool.report_ok(handle)
+            self._backoff_s = 0.0
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                # The sampler's weights are older than this request allows; the publisher is
-                # bringing it up to date. Not a failure of the sampler.
-                log.info("sampler behind", extra={"address": handle.address, "msg": e.details()})
-                handle.weight_version = min(handle.weight_version, self.min_version() - 1)
-                self.pool.resync(handle)
-            elif e.code() != grpc.StatusCode.CANCELLED or not self._stop.is_set():
-                self.pool.report_failure(handle, f"{e.code().name}: {e.details()}")
+            failure = self._classify(handle, claim, e)
         finally:
-            lost = [i for i in items if i.uid not in done]
-            with self._lock:  # one critical section: an item is never in neither place
-                self._inflight.pop(request_id, None)
-                handle.inflight -= len(items)
-                if not self._stop.is_set():
-                    for item in reversed(lost):
-                        item.attempts += 1
-                        self._pending.appendleft(item)
-                    self.redispatched += len(lost)
-                    self._lock.notify_all()
-            if lost:
-                log.warning(
-                    "rollout incomplete; prompts re-queued",
-                    extra={"address": handle.address, "requeued": len(lost),
-                           "seconds": round(time.monotonic() - start, 2)},
-                )
+            with self._lock:
+                self._calls.pop(claim.request_id, None)
+            lost = self.queue.finish(claim.request_id, failure)
+        if lost and not self._stop.is_set():
+            log.warning("rollout incomplete; prompts re-queued" if not failure or
+                        not failure.refused else "rollout refused as invalid",
+                        extra={"address": handle.address, "request_id": claim.request_id,
+                               "prompts": len(lost), "error": failure.message if failure
+                               else "missing groups",
+                               "seconds": round(time.monotonic() - start, 2)})
+
+    def _classify(self, handle: SamplerHandle, claim: Claim, e: grpc.RpcError) -> Failure:
+        code, details = e.code(), e.details() or ""
+        message = f"{code.name}: {details}"
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            log.info("sampler behind", extra={"address": handle.address, "msg": details})
+            self.pool.behind(handle, claim.min_version)
+        elif code == grpc.StatusCode.INVALID_ARGUMENT:
+            return Failure(message, refused=True)
+        elif code == grpc.StatusCode.UNAVAILABLE and "reward service" in details:
+            self._back_off(details)
+        elif code != grpc.StatusCode.CANCELLED or not self._stop.is_set():
+            self.pool.report_failure(handle, message)
+        return Failure(message)
+
+    def _back_off(self, details: str) -> None:
+        """The reward service is down: pause dispatching (doubling, capped) rather than blame
+        the samplers or re-send in a tight loop."""
+        self._backoff_s = min(_BACKOFF_MAX_S, max(_BACKOFF_START_S, 2 * self._backoff_s))
+        self._paused_until = time.monotonic() + self._backoff_s
+        log.warning("reward service unavailable; dispatch paused",
+                    extra={"seconds": self._backoff_s, "error": details})

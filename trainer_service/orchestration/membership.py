@@ -11,8 +11,13 @@ and on Kubernetes:
 
 A sampler goes ``new`` -> ``syncing`` (the publisher pushes the current weights) -> ``ready``
 (the dispatcher may give it work). One that fails a call is ``suspect``; one that stays
-unreachable for ``services.sampler_timeout_s`` is dropped and its in-flight prompts are
-re-dispatched by the dispatcher.
+unreachable for ``services.sampler_timeout_s`` is dropped: its channel is closed, so its calls
+in flight fail and the rollout queue hands their prompts to other samplers.
+
+The pool is the one writer of sampler state: every field of a :class:`SamplerHandle` changes
+only inside a pool method, under the pool's lock. The dispatcher and the publisher report what
+they saw (``report_ok``, ``report_failure``, ``behind``, ``mark_ready``, ``remove``) and read
+handles; the prompts in flight per sampler are the rollout queue's to count.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ class SamplerHandle:
     sampler_id: str = ""
     info: sampler_pb2.SamplerInfo | None = None
     weight_version: int = -1
-    inflight: int = 0
     last_ok: float = field(default_factory=time.monotonic)
     failures: int = 0
     # One push at a time per sampler (it refuses a second concurrent one with ABORTED).
@@ -86,7 +90,6 @@ class SamplerPool:
         *,
         max_message_bytes: int,
         on_join: Callable[[SamplerHandle], None] | None = None,
-        on_leave: Callable[[SamplerHandle, str], None] | None = None,
     ):
         self._cfg = services
         self._max_message_bytes = max_message_bytes
@@ -94,7 +97,6 @@ class SamplerPool:
         self._samplers: dict[str, SamplerHandle] = {}
         self._dropped: dict[str, float] = {}  # address -> when it was dropped
         self._on_join = on_join or (lambda h: None)
-        self._on_leave = on_leave or (lambda h, why: None)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.joined = 0
@@ -133,9 +135,8 @@ class SamplerPool:
             del self._samplers[handle.address]
             self._dropped[handle.address] = time.monotonic()
             self.left += 1
-        handle.channel.close()
+        handle.channel.close()  # its calls in flight fail; the queue re-dispatches them
         log.warning("sampler dropped", extra={"address": handle.address, "why": why})
-        self._on_leave(handle, why)
 
     def all(self) -> list[SamplerHandle]:
         with self._lock:
@@ -201,10 +202,12 @@ class SamplerPool:
         for handle in self.all():
             self._probe(handle)
 
-    def resync(self, handle: SamplerHandle) -> None:
-        """The sampler lost our weights (e.g. it restarted at the same address): treat it as
-        new, so the next refresh pushes it the current weights before it gets work."""
+    def behind(self, handle: SamplerHandle, required_version: int) -> None:
+        """The sampler refused a request needing ``required_version``: it lost our weights
+        (e.g. it restarted at the same address). Treat it as new, so the next refresh pushes
+        it the current weights before it gets work."""
         with self._lock:
+            handle.weight_version = min(handle.weight_version, required_version - 1)
             if handle.state != SYNCING:
                 handle.state = NEW
 

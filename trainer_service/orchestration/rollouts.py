@@ -1,22 +1,32 @@
-"""Rollout groups as the trainer sees them, and the buffer between dispatch and learning.
+"""Work items and rollout groups as the trainer sees them.
 
-A *work item* is one prompt handed out for rollout; it keeps a ``uid`` (prompt id + epoch) for
-its whole life, through sampler deaths, re-dispatch and staleness drops, so the trainer can
-prove that every prompt of a run was trained on exactly once. A *group* is what came back:
-the prompt's G completions with their sampler logprobs, rewards and the weight version that
-generated them.
+A *work item* is one prompt handed out for rollout. It keeps, for its whole life (through
+sampler deaths, re-dispatch, staleness drops and trainer restarts):
+
+- ``uid``: prompt id + draw number, unique in a run (what the audit counts);
+- ``seq``: its draw number, the run's deterministic order (batches are assembled by it);
+- ``seed``: the noise of its completions, a function of the run seed and the uid alone
+  (:func:`item_seed`), so a sample does not depend on which request or sampler carried it.
+
+A *group* is what came back: the prompt's G completions with their sampler logprobs, rewards
+and the weight versions that generated them.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import Counter
-from collections.abc import Callable
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+TRAIN, EVAL = "train", "eval"
+
+
+def item_seed(run_seed: int, uid: str) -> int:
+    """The 63-bit noise seed of work item ``uid`` in a run seeded ``run_seed``."""
+    digest = hashlib.sha256(f"{int(run_seed)}\x00{uid}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 @dataclass
@@ -25,14 +35,21 @@ class WorkItem:
 
     uid: str
     row: dict[str, Any]
-    attempts: int = 0
+    seq: int = 0
+    seed: int = 0
+    lane: str = TRAIN
+    attempts: int = 0  # times it was handed out again after a failure or a staleness drop
+    refusals: int = 0  # times a sampler refused it as invalid (dropped at the second)
 
     def to_json(self) -> dict[str, Any]:
-        return {"uid": self.uid, "row": self.row, "attempts": self.attempts}
+        return {"uid": self.uid, "row": self.row, "seq": self.seq, "seed": self.seed,
+                "lane": self.lane, "attempts": self.attempts, "refusals": self.refusals}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkItem:
-        return cls(uid=d["uid"], row=d["row"], attempts=d.get("attempts", 0))
+        return cls(uid=d["uid"], row=d["row"], seq=int(d.get("seq", 0)),
+                   seed=int(d.get("seed", 0)), lane=d.get("lane", TRAIN),
+                   attempts=int(d.get("attempts", 0)), refusals=int(d.get("refusals", 0)))
 
 
 @dataclass
@@ -43,6 +60,12 @@ class Completion:
     rewards: dict[str, float]
     finish_reason: str
     text: str = ""
+    # Per reward function, why it scored what it did: "timeout", "error: ...", "no score
+    # (None)" or the function's own explanation (splitrl.reward_protocol.classify_reason).
+    reasons: dict[str, str] = field(default_factory=dict)
+    # The weight versions it was generated under, oldest first (several when the sampler
+    # applied a push between its tokens).
+    weight_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -50,115 +73,17 @@ class RolloutGroup:
     item: WorkItem
     prompt_token_ids: list[int]
     completions: list[Completion]
-    weight_version: int
+    weight_version: int  # the oldest version any of its tokens was generated with
     sampler_id: str
+    request_id: str = ""
     generate_s: float = 0.0
     score_s: float = 0.0
-    received_at: float = field(default_factory=time.monotonic)
 
     @property
     def rewards(self) -> np.ndarray:
         return np.array([c.reward for c in self.completions], dtype=np.float32)
 
     def zero_variance(self) -> bool:
+        """Every completion scored exactly the same: no GRPO signal (advantages are 0)."""
         r = self.rewards
         return bool(r.size <= 1 or np.all(r == r[0]))
-
-
-class RolloutBuffer:
-    """Groups waiting to be trained on, with the staleness bound and dynamic sampling.
-
-    ``take`` blocks until ``n`` usable groups are available. A group generated with weights
-    older than ``current_version - max_staleness`` is dropped and its work item handed to
-    ``on_requeue`` (it will be rolled out again with fresh weights; nothing is lost). With
-    ``filter_zero_variance`` a group whose completions all scored the same carries no GRPO
-    signal: it is dropped, counted and its prompt is considered done (DAPO's dynamic sampling
-    over-samples to keep the batch full). A group whose uid was already taken is a duplicate
-    (a re-dispatched prompt whose first sampler answered after all) and is discarded.
-    """
-
-    def __init__(self, on_requeue: Callable[[WorkItem], None]):
-        self._groups: list[RolloutGroup] = []
-        self._cond = threading.Condition()
-        self._taken: set[str] = set()
-        self._on_requeue = on_requeue
-        self.counts: Counter[str] = Counter()
-        self._closed = False
-
-    def put(self, group: RolloutGroup) -> None:
-        with self._cond:
-            if group.item.uid in self._taken or any(
-                g.item.uid == group.item.uid for g in self._groups
-            ):
-                self.counts["duplicate"] += 1
-                return
-            self._groups.append(group)
-            self.counts["received"] += 1
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._groups)
-
-    def pending_items(self) -> list[WorkItem]:
-        """Work items whose groups arrived but were not yet trained on (for checkpoints)."""
-        with self._cond:
-            return [g.item for g in self._groups]
-
-    def mark_taken(self, uids: list[str]) -> None:
-        """Record uids trained on before a restart, so late duplicates are recognised."""
-        with self._cond:
-            self._taken.update(uids)
-
-    def _sweep(self, current_version: int, max_staleness: int, filter_zero_variance: bool):
-        keep = []
-        for g in self._groups:
-            if current_version - g.weight_version > max_staleness:
-                self.counts["stale_dropped"] += 1
-                self._on_requeue(g.item)
-            elif filter_zero_variance and g.zero_variance():
-                self.counts["zero_variance_filtered"] += 1
-                self._taken.add(g.item.uid)
-            else:
-                keep.append(g)
-        self._groups = keep
-
-    def take(
-        self,
-        n: int,
-        current_version: int,
-        max_staleness: int,
-        *,
-        filter_zero_variance: bool = False,
-        timeout_s: float | None = None,
-        should_stop: Callable[[], bool] = lambda: False,
-        while_waiting: Callable[[], None] = lambda: None,
-    ) -> list[RolloutGroup]:
-        """The ``n`` oldest usable groups; blocks until there are that many.
-
-        ``while_waiting`` runs between waits (the trainer tops up the prompts in flight there,
-        e.g. after groups were dropped as stale or filtered).
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                self._sweep(current_version, max_staleness, filter_zero_variance)
-                if len(self._groups) >= n:
-                    self._groups.sort(key=lambda g: (g.weight_version, g.received_at))
-                    batch, self._groups = self._groups[:n], self._groups[n:]
-                    self._taken.update(g.item.uid for g in batch)
-                    self.counts["taken"] += len(batch)
-                    return batch
-                if self._closed or should_stop():
-                    raise InterruptedError("rollout buffer closed while waiting for groups")
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"waited {timeout_s:.0f}s for {n} rollout groups, have {len(self._groups)}"
-                    )
-                self._cond.wait(timeout=0.5)
-                while_waiting()

@@ -1,0 +1,51 @@
+"""Scored groups -> the learner's padded batch, and sampler addresses from DNS."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitrl.config import AlgorithmConfig
+from trainer_service.learning.batching import bucket, build_train_batch
+from trainer_service.orchestration.membership import resolve_dns
+from trainer_service.orchestration.rollouts import Completion, RolloutGroup, WorkItem
+
+
+def group(uid: str, version: int, rewards=(1.0, 0.0), prompt=(5, 6, 7), completion=(8, 9)):
+    return RolloutGroup(
+        item=WorkItem(uid=uid, row={"prompt_id": uid}),
+        prompt_token_ids=list(prompt),
+        completions=[
+            Completion(token_ids=list(completion), logprobs=[-0.5] * len(completion), reward=r,
+                       rewards={"exact_answer": r}, finish_reason="stop")
+            for r in rewards
+        ],
+        weight_version=version,
+        sampler_id="s0",
+    )
+
+
+def test_train_batch_layout_masks_and_advantages():
+    groups = [group("a", 0, rewards=(1.0, 0.0), prompt=(5, 6)),
+              group("b", 0, rewards=(0.0, 0.0), prompt=(5, 6, 7, 8), completion=(9,))]
+    batch = build_train_batch(groups, AlgorithmConfig(), pad_id=0)
+    assert batch.tokens.shape == (4, bucket(4 + 2))
+    # Prompts are left-padded to the longest prompt (4); completions start at column 4.
+    np.testing.assert_array_equal(batch.tokens[0, :6], [0, 0, 5, 6, 8, 9])
+    np.testing.assert_array_equal(batch.completion_mask[0, :6], [0, 0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(batch.attention_mask[2, :6], [1, 1, 1, 1, 1, 0])
+    np.testing.assert_allclose(batch.sampler_logprobs[0, 4:6], [-0.5, -0.5])
+    np.testing.assert_array_equal(batch.group_ids, [0, 0, 1, 1])
+    # GRPO: (r - mean) / std within the group; a zero-variance group gets 0.
+    np.testing.assert_allclose(batch.advantages, [1.0, -1.0, 0.0, 0.0], atol=1e-4)
+
+
+def test_bucket_rounds_up_to_powers_of_two():
+    assert [bucket(n) for n in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
+
+
+def test_dns_names_resolve_to_addresses_without_a_name_server():
+    # Numeric hosts resolve locally: the test does not depend on this machine's DNS.
+    assert resolve_dns("127.0.0.1:50300") == ["127.0.0.1:50300"]
+    with pytest.raises(ValueError, match="NAME:PORT"):
+        resolve_dns("localhost")

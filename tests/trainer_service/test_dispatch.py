@@ -1,0 +1,174 @@
+"""Dispatcher and sampler pool over real gRPC, against samplers whose failures are scripted
+(`scripted_sampler.py`): a sampler dying mid-request, one behind on weights, invalid prompts,
+a reward outage; what each request carries; and membership states."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitrl.config import ServicesConfig
+from splitrl.v1 import common_pb2
+from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
+from trainer_service.orchestration.dispatcher import Dispatcher
+from trainer_service.orchestration.membership import NEW, READY, SUSPECT, SYNCING, SamplerPool
+from trainer_service.orchestration.queue import Lane, RolloutQueue
+from trainer_service.orchestration.rollouts import TRAIN, WorkItem, item_seed
+
+SAMPLING = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=2)
+WAIT_S = 60  # a bound for the test, never reached when things work
+
+
+@pytest.fixture
+def samplers():
+    started = []
+
+    def make(name, **script):
+        sampler = ScriptedSampler(name, Script(**script)).start()
+        started.append(sampler)
+        return sampler
+
+    yield make
+    for sampler in started:
+        sampler.stop()
+
+
+def pool_of(*samplers, version=0, timeout_s=30.0):
+    services = ServicesConfig(sampler_addresses=[s.address for s in samplers],
+                              sampler_timeout_s=timeout_s)
+    joined = []
+    pool = SamplerPool(services, max_message_bytes=4 << 20, on_join=joined.append)
+    pool.refresh()  # probes every sampler: new -> syncing, announced to on_join
+    for handle in pool.all():
+        pool.mark_ready(handle, version)  # what a successful push does
+    return pool, joined
+
+
+def work(n, texts=None, seed=0):
+    texts = texts or [f"{i % 5}+0=" for i in range(n)]
+    return [WorkItem(uid=f"p{i}#{i}", row={"prompt_id": f"p{i}", "prompt": texts[i],
+                                           "reference": "0"},
+                     seq=i, seed=item_seed(seed, f"p{i}#{i}")) for i in range(n)]
+
+
+def run_dispatch(pool, lane, items, n=None):
+    """Dispatch ``items`` until ``n`` (default all) groups are buffered; returns them and the
+    queue."""
+    queue = RolloutQueue([lane])
+    queue.add(items)
+    dispatcher = Dispatcher(pool, queue)
+    dispatcher.start()
+    try:
+        taken = queue.take(TRAIN, n or len(items), timeout_s=WAIT_S)
+    finally:
+        dispatcher.stop()
+        pool.stop()
+    return taken, queue
+
+
+def test_a_sampler_dying_mid_request_hands_its_prompts_to_another(samplers):
+    dying = samplers("dying", fail_after=1, capacity=8)
+    healthy = samplers("healthy", capacity=8)
+    pool, _ = pool_of(dying, healthy)
+    lane = Lane(TRAIN, 2, SAMPLING)  # adaptive: a fair share to each
+    taken, queue = run_dispatch(pool, lane, work(8))
+    assert [g.item.seq for g in taken.groups] == list(range(8))
+    assert queue.counts["redispatched"] >= 1 and queue.outstanding() == 0
+    by = {g.sampler_id for g in taken.groups}
+    assert "healthy" in by
+    handle = next(h for h in pool.all() if h.sampler_id == "dying")
+    assert handle.failures >= 1
+
+
+def test_requests_carry_each_prompts_seed_and_fixed_units_whatever_the_samplers(samplers):
+    seen = []
+    for count in (1, 2):
+        group = [samplers(f"s{i}", capacity=64) for i in range(count)]
+        pool, _ = pool_of(*group)
+        lane = Lane(TRAIN, 4, SAMPLING, request_size=3)
+        taken, _ = run_dispatch(pool, lane, work(8, seed=7))
+        requests = [r for s in group for r in s.requests]
+        assert all(r.reproducible and r.group_size == 4 for r in requests)
+        for r in requests:
+            for p in r.prompts:
+                assert p.has_seed and p.seed == item_seed(7, p.prompt_id)
+        seen.append(sorted([p.prompt_id for p in r.prompts] for r in requests))
+        assert [g.item.seq for g in taken.groups] == list(range(8))
+    # One sampler or two: the same requests, cut in draw order.
+    assert seen[0] == seen[1] == [["p0#0", "p1#1", "p2#2"], ["p3#3", "p4#4", "p5#5"],
+                                  ["p6#6", "p7#7"]]
+
+
+def test_a_sampler_behind_on_weights_is_resynced_not_blamed(samplers):
+    behind = samplers("behind", version=0)
+    pool, joined = pool_of(behind, version=3)  # the pool thinks it holds version 3
+    queue = RolloutQueue([Lane(TRAIN, 2, SAMPLING)])
+    queue.set_version(3)
+    queue.add(work(2))
+    dispatcher = Dispatcher(pool, queue)
+    assert dispatcher.dispatch_once()
+    handle = pool.all()[0]
+    _wait(lambda: handle.state == NEW, "the sampler to be marked for a resync")
+    assert handle.failures == 0 and handle.weight_version < 3
+    assert queue.outstanding() == 2  # its prompts wait for a sampler with version 3
+    pool.refresh()  # the next probe announces it again, for a weight push
+    assert handle.state == SYNCING and [h.sampler_id for h in joined] == ["behind", "behind"]
+    dispatcher.stop()
+    pool.stop()
+
+
+def test_an_invalid_prompt_is_isolated_then_dropped_and_the_others_train(samplers):
+    sampler = samplers("strict")
+    pool, _ = pool_of(sampler)
+    texts = ["1+0=", "BAD", "2+0=", "3+0="]
+    lane = Lane(TRAIN, 2, SAMPLING)
+    queue = RolloutQueue([lane])
+    queue.add(work(4, texts))
+    dispatcher = Dispatcher(pool, queue)
+    dispatcher.start()
+    try:
+        assert queue.take(TRAIN, 4, timeout_s=WAIT_S).shortfall == 1
+        taken = queue.take(TRAIN, 3, timeout_s=WAIT_S)
+    finally:
+        dispatcher.stop()
+        pool.stop()
+    assert [g.item.uid for g in taken.groups] == ["p0#0", "p2#2", "p3#3"]
+    dropped = queue.drain_events().dropped
+    assert [i.uid for i, _ in dropped] == ["p1#1"] and "max_sequence_length" in dropped[0][1]
+    bad_requests = [r for r in sampler.requests if any(p.text == "BAD" for p in r.prompts)]
+    assert len(bad_requests) == 2 and len(bad_requests[1].prompts) == 1  # then never again
+    assert pool.all()[0].failures == 0  # refusing bad input is not a sampler failure
+
+
+def test_a_reward_outage_pauses_dispatch_without_blaming_the_sampler(samplers):
+    sampler = samplers("scoring-down", reward_down=2)
+    pool, _ = pool_of(sampler)
+    taken, queue = run_dispatch(pool, Lane(TRAIN, 2, SAMPLING), work(2))
+    assert len(taken.groups) == 2
+    handle = pool.all()[0]
+    assert handle.failures == 0 and handle.state == READY
+    assert len(sampler.requests) == 3  # two refused, then one that scored: no tight loop
+
+
+def test_membership_states_follow_probes_failures_and_drops(samplers):
+    sampler = samplers("member")
+    pool, joined = pool_of(sampler, timeout_s=0.001)
+    handle = pool.all()[0]
+    assert handle.state == READY and handle.capacity == 64 and len(joined) == 1
+    pool.report_failure(handle, "UNAVAILABLE: a call failed")
+    assert handle.state == SUSPECT and pool.ready() == []
+    pool.refresh()  # a probe that succeeds makes it ready again
+    assert handle.state == READY
+    sampler.stop()
+    pool.refresh()  # unreachable for longer than sampler_timeout_s: dropped
+    assert pool.all() == [] and pool.left == 1
+    pool.stop()
+
+
+def _wait(predicate, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)

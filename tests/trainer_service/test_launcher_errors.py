@@ -1,0 +1,96 @@
+"""`splitrl up` puts mistakes on the console early: bad data before any service starts, a
+service that exits with its last error lines, error log lines as they are written."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from splitrl.config import load_config
+from splitrl.init_model import init_model
+from trainer_service import launcher
+from trainer_service.service_logs import LogFollower, error_lines
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("models") / "tiny", family="qwen2", preset="tiny",
+                      vocab="arithmetic", seed=0)
+
+
+def config(model_dir, run_dir, *overrides):
+    return load_config(launcher.demo_config_path(), [
+        f"model.path={model_dir}", f"trainer.run_dir={run_dir}", *overrides])
+
+
+def jsonl(*entries):
+    return "".join(json.dumps(e) + "\n" for e in entries)
+
+
+def test_error_lines_are_the_logs_errors_and_tracebacks(tmp_path):
+    log = tmp_path / "trainer.log"
+    log.write_text(jsonl({"level": "info", "msg": "step"},
+                         {"level": "error", "msg": "reward function 'f' failed",
+                          "exc": "Traceback...\nValueError: bad"})
+                   + "Traceback (most recent call last):\nKeyError: 'x'\n"
+                   + jsonl({"level": "warning", "msg": "slow"}))
+    assert error_lines(log) == ["reward function 'f' failed: ValueError: bad",
+                                "Traceback (most recent call last):", "KeyError: 'x'"]
+    quiet = tmp_path / "quiet.log"
+    quiet.write_text(jsonl({"level": "info", "msg": "a"}, {"level": "info", "msg": "b"}))
+    assert len(error_lines(quiet)) == 2  # no errors: the last lines
+    assert "does not exist" in error_lines(tmp_path / "none.log")[0]
+
+
+def test_the_follower_reports_each_new_error_line_once(tmp_path):
+    log = tmp_path / "reward.log"
+    log.write_text(jsonl({"level": "error", "msg": "first"}))
+    follower = LogFollower({"reward": log})
+    assert follower.new_errors() == ["[reward] first"]
+    with log.open("a") as f:
+        f.write(jsonl({"level": "info", "msg": "fine"}) + '{"level": "error", "msg": "sec')
+    assert follower.new_errors() == []  # the line is not complete yet
+    with log.open("a") as f:
+        f.write('ond"}\n')
+    assert follower.new_errors() == ["[reward] second"]
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["trainer.data.task=files", "trainer.data.path=/no/such/dir"],
+     "dataset path '/no/such/dir' is neither a local file/directory nor a hub name"),
+    (["trainer.data.task=files", "trainer.data.path={data}", "trainer.data.prompt_field=q"],
+     "prompt_field='q' is not a column"),
+    (["trainer.data.task=files", "trainer.data.path={data}", "trainer.data.eval_split=dev"],
+     "data.eval_split: task 'files' has no split 'dev'"),
+    (["trainer.data.task=files", "trainer.data.path={data}",
+      "trainer.data.long_prompt_policy=error"],
+     "1 of 3 train prompts are longer than 30 tokens"),
+])
+def test_bad_data_fails_before_any_service_starts(model_dir, tmp_path, capsys, overrides,
+                                                  fragment):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": "1+2=", "answer": "3"}, {"question": "2+2=", "answer": "4"},
+            {"question": "1+" * 20 + "1=", "answer": "21"}]
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(jsonl(*rows))
+    cfg = config(model_dir, tmp_path / "run", *(o.format(data=data) for o in overrides))
+    start = time.monotonic()
+    assert launcher.main(cfg) == 2
+    assert time.monotonic() - start < 60  # no service was started or waited on
+    err = capsys.readouterr().err
+    assert "splitrl up: the data cannot be used" in err and fragment in err
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(model_dir, tmp_path,
+                                                                     capsys):
+    cfg = config(model_dir, tmp_path / "run", "reward.functions=[{name: 'my_rewardz:think'}]",
+                 "reward.accuracy_function=null")
+    assert launcher.main(cfg) != 0
+    captured = capsys.readouterr()
+    assert "reward exited with code 2" in captured.err
+    assert "cannot import module 'my_rewardz': ModuleNotFoundError" in captured.err
+    assert not (tmp_path / "run" / "logs" / "trainer.log").exists()  # no trainer was started
