@@ -388,9 +388,9 @@ class RolloutWorker:
                     metadata=prompt.metadata, truncated=seq.finish_reason == "length",
                     completion_raw=raw or b"",
                     # One call per function scores the prompt's group, with its columns.
-                    group_id=str(i), columns_json=prompt.columns_json,
+                    group_id=str(group.index), columns_json=prompt.columns_json,
                     prompt_messages=prompt.messages or (), completion_ids=seq.token_ids,
-                    weight_version=result.version))
+                    weight_version=seq.weight_versions[0]))
             completions.append(done)
         start = time.perf_counter()
         scores = self.reward.score(items, request.reward_functions)
