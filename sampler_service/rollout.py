@@ -288,12 +288,16 @@ class RolloutWorker:
                                      finish_reason=seq.finish_reason,
                                      weight_versions=seq.weight_versions)
 
-    def generate(self, request: sampler_pb2.GenerateRequest) -> sampler_pb2.GenerateReply:
+    def generate(self, request: sampler_pb2.GenerateRequest,
+                 context=None) -> sampler_pb2.GenerateReply:
+        """``context``: the RPC's; when it ends (e.g. the client cancels) generation stops."""
         options = self.sampling_options(request.sampling)
         n = self.group_size(request.n, "n", zero_means_one=True)
         prompts = self.prepare(request.prompts, options.max_new_tokens)
         self.assign_seeds(request.prompts, prompts, options)
         handle = self.submit(prompts, options, n)
+        if context is not None:
+            context.add_callback(handle.cancel)
         groups: dict[int, FinishedGroup] = {}
         try:
             for group in handle.groups():
@@ -315,8 +319,10 @@ class RolloutWorker:
 
     # -- rollout --------------------------------------------------------------------------------
 
-    def rollout(self, request: sampler_pb2.RolloutRequest) -> Iterator[sampler_pb2.ScoredGroup]:
-        """Streams one scored group per prompt, in the order they finish.
+    def rollout(self, request: sampler_pb2.RolloutRequest,
+                context=None) -> Iterator[sampler_pb2.ScoredGroup]:
+        """Streams one scored group per prompt, in the order they finish (``context``: the
+        RPC's; when it ends, e.g. the trainer cancels, the request's rows are freed).
 
         The whole request goes to the engine at once (its prompts join the shared batch as
         decode slots free up; ``reproducible`` runs it alone). Finished groups are scored in
@@ -339,6 +345,8 @@ class RolloutWorker:
         events: queue.SimpleQueue = queue.SimpleQueue()
         handle = self.submit(prompts, options, group, exclusive=request.reproducible,
                              sink=events)
+        if context is not None:
+            context.add_callback(handle.cancel)
         try:
             yield from self._scored_as_finished(request, prompts, events)
         finally:

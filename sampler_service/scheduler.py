@@ -39,59 +39,13 @@ import jax
 import numpy as np
 
 from sampler_service import _programs
+from sampler_service._inputs import pack_prompts, pow2, row_params
 from sampler_service.kv_cache import CacheShape, SlotCache, bucket_rows, bucket_width
 from sampler_service.requests import FinishedGroup, GeneratedSequence, GenerationRequest
-from sampler_service.sampling import SamplePlan, seed_words
 
 log = logging.getLogger(__name__)
 
-_STOP_SLOTS = 8  # stop-id columns per row: multiples of this (fewer programs)
-_MIN_PROMPT_WIDTH = 16
 _NEVER = np.int32(2**31 - 1)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def pack_prompts(prompts: list[np.ndarray], max_width: int, pad: int):
-    """Packs prompts into rows of W tokens, first fit by decreasing length (ties: in order).
-
-    W is the longest prompt's power of two (>= 16, <= max_width); the row count is
-    `_fine_bucket`ed. Returns (tokens, positions, segments [B, W] int32 (segment i = prompt
-    i, -1 = padding), starts [P]: the flat position of each prompt's first token).
-    """
-    width = min(max(_pow2(max(p.size for p in prompts)), _MIN_PROMPT_WIDTH), max_width)
-    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].size)
-    fill: list[int] = []  # tokens used per row
-    place = [(0, 0)] * len(prompts)
-    for i in order:
-        size = prompts[i].size
-        row = next((r for r, used in enumerate(fill) if used + size <= width), None)
-        if row is None:
-            row = len(fill)
-            fill.append(0)
-        place[i] = (row, fill[row])
-        fill[row] += size
-    b = _fine_bucket(len(fill))
-    tokens = np.full((b, width), pad, np.int32)
-    positions = np.zeros((b, width), np.int32)
-    segments = np.full((b, width), -1, np.int32)
-    starts = np.zeros(len(prompts), np.int32)
-    for i, (row, offset) in enumerate(place):
-        size = prompts[i].size
-        tokens[row, offset:offset + size] = prompts[i]
-        positions[row, offset:offset + size] = np.arange(size)
-        segments[row, offset:offset + size] = i
-        starts[i] = row * width + offset
-    return tokens, positions, segments, starts
-
-
-def _fine_bucket(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^k) >= n: prompts per
-    prefill, where padding a batch of 33 prompts to 64 would cost half the prefill."""
-    p = _pow2(n)
-    return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
 
 
 @dataclasses.dataclass
@@ -399,7 +353,7 @@ class Scheduler:
         tokens, positions, segments, starts = pack_prompts(
             prompts, self.cache.max_width, self.pad_token_id)
         rows = [row for group in admitted for row in group.rows]
-        n = _pow2(len(rows))
+        n = pow2(len(rows))
         row_start = np.zeros(n, np.int32)
         row_length = np.ones(n, np.int32)
         row_slot = np.full(n, self.cache.shape.rows, np.int32)  # padding entries: dropped
@@ -408,7 +362,7 @@ class Scheduler:
             for row in group.rows:
                 row_start[j], row_length[j], row_slot[j] = starts[i], prompts[i].size, row.slot
                 j += 1
-        params, plan = self._row_params(rows, n)
+        params, plan = row_params(rows, n, self.vocab_size)
         programs = self.weights.programs
         kv, hidden = programs.prefill(self.weights.leaves, tokens, positions, segments)
         self.cache.arrays, tok, lp, stopped = programs.admit(
@@ -433,44 +387,6 @@ class Scheduler:
                                 ("admit", self.cache.shape, tokens.shape, n, plan,
                                  params.stop_ids.shape))
 
-    def _row_params(self, rows: list[_Row], size: int) -> tuple[_programs.RowParams, SamplePlan]:
-        """Per-row sampling arrays padded to ``size`` rows, and the batch's `SamplePlan`."""
-        stop_width = _STOP_SLOTS * max(1, -(-max(len(r.stop_ids) for r in rows) // _STOP_SLOTS))
-        seeds = np.zeros((size, 2), np.uint32)
-        samples = np.zeros(size, np.int32)
-        versions = np.zeros((size, 2), np.uint32)
-        temperature = np.ones(size, np.float32)
-        top_k = np.zeros(size, np.int32)
-        top_p = np.ones(size, np.float32)
-        greedy = np.ones(size, bool)
-        lp_temp = np.ones(size, np.float32)
-        max_new = np.ones(size, np.int32)
-        stop_ids = np.full((size, stop_width), -1, np.int32)
-        for i, row in enumerate(rows):
-            request = row.group.request
-            opts = request.options
-            seeds[i] = seed_words([request.seeds[row.group.index]])[0]
-            samples[i] = row.sample
-            versions[i] = seed_words([row.version])[0]
-            greedy[i] = opts.is_greedy
-            if not opts.is_greedy:
-                temperature[i] = opts.temperature
-                top_k[i] = opts.top_k if 0 < opts.top_k < self.vocab_size else 0
-                top_p[i] = opts.top_p
-            lp_temp[i] = opts.logprob_temperature
-            max_new[i] = row.max_new
-            stop_ids[i, :len(row.stop_ids)] = row.stop_ids
-        sampled = ~greedy[:len(rows)]
-        ks = top_k[:len(rows)][sampled]
-        plan = SamplePlan(k_cap=min(max(_pow2(int(ks.max())), 8), self.vocab_size)
-                          if ks.size and ks.max() > 0 else 0,
-                          full=bool(ks.size and (ks == 0).any()),
-                          top_p=bool((top_p[:len(rows)][sampled] < 1.0).any()),
-                          sampled=bool(sampled.any()), greedy=bool(greedy[:len(rows)].any()))
-        params = _programs.RowParams(seeds, samples, versions, temperature, top_k, top_p, greedy,
-                                     lp_temp, max_new, stop_ids)
-        return params, plan
-
     # ------------------------------------------------------------------ decode
 
     def _refill_at(self) -> int:
@@ -494,7 +410,8 @@ class Scheduler:
         shape = self.cache.shape
         order = [self.rows.get(slot) for slot in range(shape.rows)]
         present = [row for row in order if row is not None]
-        params, plan = self._row_params([r or present[0] for r in order], shape.rows)
+        params, plan = row_params([r or present[0] for r in order], shape.rows,
+                                  self.vocab_size)
         last = np.zeros(shape.rows, np.int32)
         length = np.zeros(shape.rows, np.int32)
         generated = np.zeros(shape.rows, np.int32)

@@ -118,7 +118,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     def Generate(self, request, context):
         try:
-            reply = self.worker.generate(request)
+            reply = self.worker.generate(request, context)
         except RequestError as e:
             metrics.REQUESTS.labels("Generate", e.code.name).inc()
             context.abort(e.code, e.message)
@@ -131,7 +131,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     def Rollout(self, request, context):
         try:
-            yield from self.worker.rollout(request)
+            yield from self.worker.rollout(request, context)
         except RequestError as e:
             metrics.REQUESTS.labels("Rollout", e.code.name).inc()
             log.warning("rollout failed", extra={"code": e.code.name, "reason": e.message,

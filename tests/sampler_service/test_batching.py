@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from test_engine import PROMPTS, greedy_reference, make_engine, tiny_model
 
+from sampler_service._inputs import pack_prompts
 from sampler_service.requests import PinnedWeights
 from sampler_service.sampling import SamplingOptions
-from sampler_service.scheduler import pack_prompts
 from splitrl.config import MeshConfig
 from splitrl.mesh import build_mesh
 
