@@ -197,8 +197,8 @@ class Scheduler:
             if not any(row.group.request is self.session for row in self.rows.values()):
                 self.session.finish()
                 self.session = None
-        if not self.rows:
-            self.weights = None
+        if not self.rows and self.session is None:
+            self.weights = None  # an exclusive request keeps its weights to its end
 
     # ------------------------------------------------------------------ 2. weights
 
@@ -231,12 +231,12 @@ class Scheduler:
     def _weights_for(self, request: GenerationRequest, batch_empty: bool) -> _Weights | None:
         """The batch's weights if ``request`` may join it now (adopting them when the batch
         is empty), else None (the batch must drain first)."""
+        if self.session is request and self.weights is not None:
+            return self.weights
         if batch_empty:
             pinned = request.pinned
             self._adopt(_Weights(pinned.version, pinned.state, pinned=True)
                         if pinned is not None else self._latest())
-            return self.weights
-        if self.session is request:
             return self.weights
         current = self.weights
         if request.pinned is not None:

@@ -256,3 +256,17 @@ def test_a_push_during_generation_is_applied_per_update_in_flight(setup, in_flig
     # Equal weights under a new version: greedy tokens are the reference either way.
     assert seq_a.token_ids == greedy_reference(model, PROMPTS[1], 12)
     assert engine.stats["weight_swaps_in_flight"] == int(in_flight)
+
+
+def test_an_exclusive_request_keeps_its_weights_when_its_rows_all_end_together(setup):
+    model, mesh, state = setup
+    source = Source(1, state)
+    engine, _ = make_engine(model, mesh, max_batch_size=2, segment_steps=2, weights=source,
+                            update_in_flight=True)
+    x = queue(engine, PROMPT_SET[:3], greedy(4), exclusive=True)  # 3 prompts through 2 rows
+    engine.scheduler.step()
+    source.version, source.state = 2, _copy(state)  # pushed while x generates
+    later = queue(engine, [PROMPTS[0]], greedy(2))
+    run_until_idle(engine)
+    assert [s.weight_versions for (s,) in x.result()] == [(1,), (1,), (1,)]
+    assert later.result()[0][0].weight_versions == (2,)
