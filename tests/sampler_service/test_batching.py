@@ -21,7 +21,7 @@ from sampler_service.sampling import SamplingOptions
 from splitrl.config import MeshConfig
 from splitrl.mesh import build_mesh
 
-STOPS = tuple(range(0, 96, 9))  # ~1 in 9 tokens ends a sampled sequence: lengths vary
+STOPS = tuple(range(0, 96, 14))  # ~1 in 14 tokens ends a sampled sequence: lengths vary
 SAMPLED = SamplingOptions(temperature=1.0, max_new_tokens=12, seed=5, stop_token_ids=STOPS)
 PROMPT_SET = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [30, 31], [40, 41, 42, 43, 44], [50] * 7]
 
@@ -80,10 +80,10 @@ def test_prompts_are_packed_first_fit_by_decreasing_length():
 
 def test_greedy_is_the_reference_for_requests_that_join_a_running_batch(setup):
     model, mesh, state = setup
-    engine, _ = make_engine(model, mesh, max_batch_size=2, segment_steps=2)
+    engine, _ = make_engine(model, mesh, max_batch_size=2)
     pinned = PinnedWeights(0, state)
     a = queue(engine, [PROMPTS[1]], greedy(12), weights=pinned)
-    engine.scheduler.step()  # a alone: prefill + 2 decode steps
+    engine.scheduler.step()  # a alone: prefill + 4 decode steps
     b = queue(engine, [PROMPTS[0]], greedy(3), weights=pinned)
     c = queue(engine, [PROMPTS[2]], greedy(10), weights=pinned)
     engine.scheduler.step()
@@ -103,7 +103,7 @@ def test_seeded_samples_do_not_depend_on_neighbours_or_admission_time(setup):
     pinned = PinnedWeights(3, state)
     alone, _ = make_engine(model, mesh)
     reference = alone.generate(state, PROMPT_SET[:2], SAMPLED, n=2, version=3)
-    busy, _ = make_engine(model, mesh, max_batch_size=4, segment_steps=3)
+    busy, _ = make_engine(model, mesh, max_batch_size=4)
     other = queue(busy, PROMPT_SET[3:],
                   SamplingOptions(temperature=0.8, top_k=5, max_new_tokens=12, seed=9), n=2,
                   weights=pinned)
@@ -140,15 +140,15 @@ def _run_exclusive(engine, state, others=()):
 
 def test_an_exclusive_request_is_bitwise_the_same_whatever_runs_around_it(setup):
     model, mesh, state = setup
-    solo = _run_exclusive(make_engine(model, mesh, max_batch_size=4, segment_steps=3)[0], state)
+    solo = _run_exclusive(make_engine(model, mesh, max_batch_size=4)[0], state)
     assert sum(len(s.token_ids) < 12 for row in solo for s in row) >= 3  # rows ended early
-    busy_engine = make_engine(model, mesh, max_batch_size=4, segment_steps=3)[0]
+    busy_engine = make_engine(model, mesh, max_batch_size=4)[0]
     busy = _run_exclusive(busy_engine, state, others=(
         SamplingOptions(temperature=0.7, max_new_tokens=20, seed=1),
         SamplingOptions(greedy=True, max_new_tokens=4)))
     assert busy == solo  # tokens, logprobs (exact floats), finish reasons, versions
     # And through the engine's own thread, with concurrent callers.
-    threaded_engine = make_engine(model, mesh, max_batch_size=4, segment_steps=3)[0]
+    threaded_engine = make_engine(model, mesh, max_batch_size=4)[0]
     results = {}
 
     def call(name, **kw):
@@ -169,8 +169,7 @@ def test_a_burst_beyond_the_kv_budget_queues_and_completes_within_it(setup):
     model, mesh, state = setup
     # Room for 4 rows of 32 slots (256 bytes per token) plus one array's resize copy.
     budget = 4 * 32 * 256 + 4 * 32 * 256 // 4
-    engine, _ = make_engine(model, mesh, max_batch_size=8, kv_cache_bytes=budget,
-                            segment_steps=4)
+    engine, _ = make_engine(model, mesh, max_batch_size=8, kv_cache_bytes=budget)
     assert engine.max_batch_size == 4
     results, errors = {}, []
 
@@ -198,7 +197,7 @@ def test_a_burst_beyond_the_kv_budget_queues_and_completes_within_it(setup):
 
 def test_static_batching_admits_only_into_an_empty_batch(setup):
     model, mesh, state = setup
-    engine, _ = make_engine(model, mesh, batching="static", segment_steps=2)
+    engine, _ = make_engine(model, mesh, batching="static")
     pinned = PinnedWeights(0, state)
     a = queue(engine, [PROMPTS[1]], greedy(12), weights=pinned)
     engine.scheduler.step()
@@ -211,7 +210,7 @@ def test_static_batching_admits_only_into_an_empty_batch(setup):
 
 def test_a_cancelled_request_frees_its_rows_and_others_finish(setup):
     model, mesh, state = setup
-    engine, _ = make_engine(model, mesh, max_batch_size=4, segment_steps=2)
+    engine, _ = make_engine(model, mesh, max_batch_size=4)
     pinned = PinnedWeights(0, state)
     doomed = queue(engine, PROMPT_SET, greedy(12), n=2, weights=pinned)
     kept = queue(engine, [PROMPTS[2]], greedy(8), weights=pinned)
@@ -240,7 +239,7 @@ def _copy(state):
 def test_a_push_during_generation_is_applied_per_update_in_flight(setup, in_flight):
     model, mesh, state = setup
     source = Source(1, state)
-    engine, _ = make_engine(model, mesh, segment_steps=2, weights=source,
+    engine, _ = make_engine(model, mesh, weights=source,
                             update_in_flight=in_flight)
     a = queue(engine, [PROMPTS[1]], greedy(12))
     engine.scheduler.step()
@@ -261,7 +260,7 @@ def test_a_push_during_generation_is_applied_per_update_in_flight(setup, in_flig
 def test_an_exclusive_request_keeps_its_weights_when_its_rows_all_end_together(setup):
     model, mesh, state = setup
     source = Source(1, state)
-    engine, _ = make_engine(model, mesh, max_batch_size=2, segment_steps=2, weights=source,
+    engine, _ = make_engine(model, mesh, max_batch_size=2, weights=source,
                             update_in_flight=True)
     x = queue(engine, PROMPT_SET[:3], greedy(4), exclusive=True)  # 3 prompts through 2 rows
     engine.scheduler.step()

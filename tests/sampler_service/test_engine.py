@@ -38,7 +38,9 @@ def tiny_model():
 
 
 def make_engine(model, mesh, **kw):
-    args = dict(max_batch_size=8, max_sequence_length=32, eos_token_ids=(), pad_token_id=0)
+    # One segment length for every test's engines: it is part of the decode program's shape.
+    args = dict(max_batch_size=8, max_sequence_length=32, eos_token_ids=(), pad_token_id=0,
+                segment_steps=4)
     args.update(kw)
     graphdef, state = nnx.split(model)
     engine = GenerationEngine(model.config, graphdef, mesh=mesh, **args)
