@@ -54,8 +54,11 @@ class RowParams:
 jax.tree_util.register_dataclass(RowParams)
 
 
-def _draw(logits, params: RowParams, draw_index, plan: sampling.SamplePlan):
-    keys = sampling.row_keys(params.seeds, params.sample_ids, params.versions)
+def _row_keys(params: RowParams):
+    return sampling.row_keys(params.seeds, params.sample_ids, params.versions)
+
+
+def _draw(logits, params: RowParams, keys, draw_index, plan: sampling.SamplePlan):
     u = sampling.step_uniforms(keys, draw_index) if plan.sampled else None
     return sampling.sample_rows(
         logits, u, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
@@ -123,7 +126,7 @@ class Programs:
                 v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
             out.append((k_cache, v_cache))
         last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
-        tokens, logprobs = _draw(model.logits(last), params,
+        tokens, logprobs = _draw(model.logits(last), params, _row_keys(params),
                                  jnp.zeros(row_start.shape, jnp.int32), plan)
         return tuple(out), tokens, logprobs, _is_stop(tokens, params.stop_ids)
 
@@ -152,6 +155,7 @@ def _decode_loop(model, cache, last_token, length, generated, live, params: RowP
     [R, steps], produced [R] tokens drawn, stopped [R] ended on a stop id).
     """
     rows = last_token.shape[0]
+    keys = _row_keys(params)
 
     def cond(carry):
         i, _, _, _, _, live, _, _, _, _, finished = carry
@@ -162,7 +166,7 @@ def _decode_loop(model, cache, last_token, length, generated, live, params: RowP
             carry)
         backend = SlotDecodeAttention(cache, length, sharding)
         h, backend = model.forward_with(last[:, None], length[:, None], backend)
-        tok, lp = _draw(model.logits(h[:, 0]), params, generated, plan)
+        tok, lp = _draw(model.logits(h[:, 0]), params, keys, generated, plan)
         out_tok = jax.lax.dynamic_update_slice(out_tok, jnp.where(live, tok, -1)[:, None], (0, i))
         out_lp = jax.lax.dynamic_update_slice(out_lp, jnp.where(live, lp, 0.0)[:, None], (0, i))
         step = live.astype(jnp.int32)
