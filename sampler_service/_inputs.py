@@ -9,6 +9,7 @@ from sampler_service.sampling import SamplePlan, seed_words
 
 _STOP_SLOTS = 8  # stop-id columns per row: multiples of this (fewer programs)
 _MIN_PROMPT_WIDTH = 16
+_MAX_PACKED_WIDTH = 512  # wider rows would pay W^2 attention for little less padding
 
 
 def pow2(n: int) -> int:
@@ -18,23 +19,16 @@ def pow2(n: int) -> int:
 def pack_prompts(prompts: list[np.ndarray], max_width: int, pad: int):
     """Packs prompts into rows of W tokens, first fit by decreasing length (ties: in order).
 
-    W is the longest prompt's power of two (>= 16, <= max_width); the row count is
-    `_fine_bucket`ed. Returns (tokens, positions, segments [B, W] int32 (segment i = prompt
-    i, -1 = padding), starts [P]: the flat position of each prompt's first token).
+    W is the longest prompt's power of two (>= 16, <= max_width) or twice or four times that,
+    whichever needs the fewest padded tokens once the row count is bucketed (`rows_bucket`).
+    Returns (tokens, positions, segments [B, W] int32 (segment i = prompt i, -1 = padding),
+    starts [P]: the flat position of each prompt's first token).
     """
-    width = min(max(pow2(max(p.size for p in prompts)), _MIN_PROMPT_WIDTH), max_width)
-    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].size)
-    fill: list[int] = []  # tokens used per row
-    place = [(0, 0)] * len(prompts)
-    for i in order:
-        size = prompts[i].size
-        row = next((r for r, used in enumerate(fill) if used + size <= width), None)
-        if row is None:
-            row = len(fill)
-            fill.append(0)
-        place[i] = (row, fill[row])
-        fill[row] += size
-    b = _fine_bucket(len(fill))
+    narrowest = min(max(pow2(max(p.size for p in prompts)), _MIN_PROMPT_WIDTH), max_width)
+    options = [_first_fit(prompts, w) for w in (narrowest, 2 * narrowest, 4 * narrowest)
+               if w <= max(narrowest, min(max_width, _MAX_PACKED_WIDTH))]
+    width, place, rows = min(options, key=lambda o: rows_bucket(o[2]) * o[0])
+    b = rows_bucket(rows)
     tokens = np.full((b, width), pad, np.int32)
     positions = np.zeros((b, width), np.int32)
     segments = np.full((b, width), -1, np.int32)
@@ -48,11 +42,31 @@ def pack_prompts(prompts: list[np.ndarray], max_width: int, pad: int):
     return tokens, positions, segments, starts
 
 
-def _fine_bucket(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (2^k and 3 * 2^k) >= n: prompts per
-    prefill, where padding a batch of 33 prompts to 64 would cost half the prefill."""
+def _first_fit(prompts, width: int):
+    """(width, [(row, offset)] per prompt, rows used): first fit by decreasing length."""
+    order = sorted(range(len(prompts)), key=lambda i: -prompts[i].size)
+    fill: list[int] = []  # tokens used per row
+    place = [(0, 0)] * len(prompts)
+    for i in order:
+        size = prompts[i].size
+        row = next((r for r, used in enumerate(fill) if used + size <= width), None)
+        if row is None:
+            row = len(fill)
+            fill.append(0)
+        place[i] = (row, fill[row])
+        fill[row] += size
+    return width, place, len(fill)
+
+
+def rows_bucket(n: int) -> int:
+    """Packed prefill rows for n: up to 16 the smallest of 1, 2, 3, 4, 6, 8, 12, 16 >= n,
+    beyond it a multiple of a sixteenth of the next power of two (44 for 42, not 64: padding
+    a prefill costs as much as the prompts it pads)."""
     p = pow2(n)
-    return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
+    if n <= 16:
+        return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
+    step = p // 16
+    return -(-n // step) * step
 
 
 def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, SamplePlan]:
