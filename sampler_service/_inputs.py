@@ -80,7 +80,6 @@ def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, S
     top_k = np.zeros(size, np.int32)
     top_p = np.ones(size, np.float32)
     greedy = np.ones(size, bool)
-    lp_temp = np.ones(size, np.float32)
     max_new = np.ones(size, np.int32)
     stop_ids = np.full((size, stop_width), -1, np.int32)
     for i, row in enumerate(rows):
@@ -90,11 +89,10 @@ def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, S
         samples[i] = row.sample
         versions[i] = seed_words([row.version])[0]
         greedy[i] = opts.is_greedy
+        temperature[i] = opts.logprob_temperature  # = the sampling temperature when sampled
         if not opts.is_greedy:
-            temperature[i] = opts.temperature
             top_k[i] = opts.top_k if 0 < opts.top_k < vocab_size else 0
             top_p[i] = opts.top_p
-        lp_temp[i] = opts.logprob_temperature
         max_new[i] = row.max_new
         stop_ids[i, :len(row.stop_ids)] = row.stop_ids
     sampled = ~greedy[:len(rows)]
@@ -105,6 +103,6 @@ def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, S
                       top_p=bool((top_p[:len(rows)][sampled] < 1.0).any()),
                       sampled=bool(sampled.any()), greedy=bool(greedy[:len(rows)].any()))
     params = _programs.RowParams(seeds, samples, versions, temperature, top_k, top_p, greedy,
-                                 lp_temp, max_new, stop_ids)
+                                 max_new, stop_ids)
     return params, plan
 

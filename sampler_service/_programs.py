@@ -42,11 +42,10 @@ class RowParams:
     seeds: jax.Array  # uint32 [R, 2] the prompt's seed
     sample_ids: jax.Array  # int32 [R] completion index within its prompt
     versions: jax.Array  # uint32 [R, 2] weight version the row was admitted under
-    temperature: jax.Array  # float32 [R] (> 0; 1 for greedy rows)
+    temperature: jax.Array  # float32 [R] > 0: of the draws and of the reported logprobs
     top_k: jax.Array  # int32 [R] (0 = whole vocabulary)
     top_p: jax.Array  # float32 [R] (1 = off)
     greedy: jax.Array  # bool [R]
-    logprob_temperature: jax.Array  # float32 [R]
     max_new: jax.Array  # int32 [R]
     stop_ids: jax.Array  # int32 [R, S] (-1 = unused)
 
@@ -62,7 +61,7 @@ def _draw(logits, params: RowParams, keys, draw_index, plan: sampling.SamplePlan
     u = sampling.step_uniforms(keys, draw_index) if plan.sampled else None
     return sampling.sample_rows(
         logits, u, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-        greedy=params.greedy, logprob_temperature=params.logprob_temperature, plan=plan)
+        greedy=params.greedy, plan=plan)
 
 
 def _is_stop(tokens, stop_ids):

@@ -283,22 +283,23 @@ class SamplePlan:
 
 
 def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, top_p, greedy,
-                logprob_temperature, plan: SamplePlan) -> tuple[jax.Array, jax.Array]:
+                plan: SamplePlan) -> tuple[jax.Array, jax.Array]:
     """(tokens [R] int32, logprobs [R] float32) for logits [R, V], one parameter set per row.
 
-    temperature/top_p/logprob_temperature float32 [R], top_k int32 [R] (0 = whole vocabulary,
-    else 0 < k <= plan.k_cap), greedy bool [R]. A row's draw depends on its own parameters and
-    uniform only, never on its neighbours': a top-k row inverts the CDF of its k candidates in
-    descending order (the first k of `lax.top_k(plan.k_cap)`, the rest masked), a whole-vocabulary
-    row the CDF in vocabulary order; top-p keeps the nucleus of what top-k left
-    (renormalised); a greedy row takes the argmax. Logprobs follow the module doc:
-    `log_softmax(logits / logprob_temperature)` at the chosen token.
+    temperature/top_p float32 [R], top_k int32 [R] (0 = whole vocabulary, else
+    0 < k <= plan.k_cap), greedy bool [R]. A sampled row draws from softmax(logits /
+    temperature); every row's logprob is `log_softmax(logits / temperature)` at its token (the
+    module doc; a greedy row's temperature only sets that). A row's draw depends on its own
+    parameters and uniform only, never on its neighbours': a top-k row inverts the CDF of its
+    k candidates in descending order (the first k of `lax.top_k(plan.k_cap)`, the rest
+    masked), a whole-vocabulary row the CDF in vocabulary order; top-p keeps the nucleus of
+    what top-k left (renormalised); a greedy row takes the argmax.
     """
     logits = logits.astype(jnp.float32)
+    scaled = scale_logits(logits, temperature)
     tokens = (jnp.argmax(logits, axis=-1).astype(jnp.int32)
               if plan.greedy or not plan.sampled else None)
     if plan.sampled:
-        scaled = scale_logits(logits, temperature)
         use_top_p = _per_row(top_p) < 1.0 if plan.top_p else None
         drawn = None
         if plan.k_cap:
@@ -310,13 +311,15 @@ def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, t
             pick = inverse_cdf_sample(values, u)
             drawn = jnp.take_along_axis(indices, pick[:, None], axis=-1)[:, 0]
         if plan.full:
+            nucleus = scaled
             if plan.top_p:
-                scaled = jnp.where(use_top_p, top_p_filter(scaled, top_p), scaled)
-            whole = inverse_cdf_sample(scaled, u)
+                nucleus = jnp.where(use_top_p, top_p_filter(scaled, top_p), scaled)
+            whole = inverse_cdf_sample(nucleus, u)
             drawn = whole if drawn is None else jnp.where(top_k > 0, drawn, whole)
         drawn = drawn.astype(jnp.int32)
         tokens = drawn if tokens is None else jnp.where(greedy, tokens, drawn)
-    return tokens, token_logprobs(logits, tokens, logprob_temperature)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return tokens, picked - jax.nn.logsumexp(scaled, axis=-1)
 
 
 def sample_tokens(logits: jax.Array, u: jax.Array | None, *, temperature, top_k: int,
@@ -324,7 +327,8 @@ def sample_tokens(logits: jax.Array, u: jax.Array | None, *, temperature, top_k:
                   logprob_temperature) -> tuple[jax.Array, jax.Array]:
     """`sample_rows` with one parameter set for every row (`top_k`, `use_top_p`, `greedy`
     static): temperature -> top-k -> top-p (renormalised over the top-k set) -> draw with
-    uniforms u; or argmax when greedy."""
+    uniforms u; or argmax when greedy. Sampled rows report logprobs under ``temperature``,
+    greedy ones under ``logprob_temperature``."""
     r, v = logits.shape
     k = top_k if 0 < top_k < v else 0
     plan = SamplePlan(k_cap=k, full=k == 0, top_p=use_top_p, sampled=not greedy,
@@ -333,6 +337,6 @@ def sample_tokens(logits: jax.Array, u: jax.Array | None, *, temperature, top_k:
     def rows(x, dtype=jnp.float32):
         return jnp.broadcast_to(jnp.asarray(x, dtype), (r,))
 
-    return sample_rows(logits, u, temperature=rows(temperature), top_k=rows(k, jnp.int32),
-                       top_p=rows(top_p if use_top_p else 1.0), greedy=rows(greedy, bool),
-                       logprob_temperature=rows(logprob_temperature), plan=plan)
+    return sample_rows(logits, u, temperature=rows(logprob_temperature if greedy else temperature),
+                       top_k=rows(k, jnp.int32), top_p=rows(top_p if use_top_p else 1.0),
+                       greedy=rows(greedy, bool), plan=plan)
