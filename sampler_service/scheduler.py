@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 import threading
 import time
 
@@ -42,8 +41,6 @@ from sampler_service import _programs
 from sampler_service._inputs import pack_prompts, pow2, row_params
 from sampler_service.kv_cache import CacheShape, SlotCache, bucket_rows, bucket_width
 from sampler_service.requests import FinishedGroup, GeneratedSequence, GenerationRequest
-
-log = logging.getLogger(__name__)
 
 _NEVER = np.int32(2**31 - 1)
 
@@ -390,8 +387,11 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
 
     def _refill_at(self) -> int:
-        """Finished rows after which the segment should end: enough to admit the next
-        waiting prompt, if one may join this batch (never, in static mode)."""
+        """Finished rows after which the segment should end, if a waiting prompt may join
+        this batch (never, in static mode): enough for its n rows, and at least an eighth of
+        the batch, so a boundary's fixed cost (host work, a small prefill) is paid for several
+        rows rather than each one (an idle row costs 1/max_rows of a step, a boundary a few
+        milliseconds)."""
         if self.static:
             return _NEVER
         if self.session is not None:
@@ -404,7 +404,7 @@ class Scheduler:
         if nxt is None:
             return _NEVER
         free = max(self.cache.max_rows - len(self.rows), 0)
-        return max(1, nxt.n - free)
+        return max(1, nxt.n - free, self.cache.max_rows // 8)
 
     def _decode(self) -> None:
         shape = self.cache.shape
