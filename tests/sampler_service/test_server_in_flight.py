@@ -4,7 +4,9 @@ applies a push between the tokens of a running generation, and its completions s
 The push carries the weights the sampler already serves under a new version, so greedy tokens
 do not change and the test can compare them with a run before the push; the generation is
 400 tokens long, decoded one token per segment (a boundary after every token), and the push
-is released only once the metrics show it in flight.
+is released only once the metrics show it in flight. A first push (version 1) before that one
+compiles the push path (finiteness checks), so the held push (version 2) lands within a few
+segments of its release instead of racing the generation's end.
 """
 
 from __future__ import annotations
@@ -79,15 +81,17 @@ def _same_weights_as(model_dir, info, version):
 
 def test_completions_spanning_a_push_carry_both_versions(sampler, model_dir):
     proc, stub = sampler
+    info = stub.GetInfo(sampler_pb2.GetInfoRequest())
+    assert stub.PushWeights(iter(_same_weights_as(model_dir, info, 1)), timeout=300).version == 1
     prompt = common_pb2.Prompt(prompt_id="p", text="1+2=", reference="3")
     greedy = common_pb2.SamplingParams(greedy=True, max_new_tokens=LONG)
     request = sampler_pb2.GenerateRequest(prompts=[prompt], sampling=greedy, n=2)
     before = stub.Generate(request, timeout=300)
-    assert before.weight_version == 0
+    assert before.weight_version == 1
     for c in before.outputs[0].completions:
-        assert c.finish_reason == "length" and list(c.weight_versions) == [0]
+        assert c.finish_reason == "length" and list(c.weight_versions) == [1]
 
-    messages = _same_weights_as(model_dir, stub.GetInfo(sampler_pb2.GetInfoRequest()), 1)
+    messages = _same_weights_as(model_dir, info, 2)
     resume, pushed, generated = threading.Event(), [], []
 
     def held_push():
@@ -107,19 +111,19 @@ def test_completions_spanning_a_push_carry_both_versions(sampler, model_dir):
         time.sleep(0.02)
     resume.set()
     pusher.join(120)
-    assert pushed and pushed[0].version == 1
+    assert pushed and pushed[0].version == 2
     generator.join(300)
     (reply,) = generated
-    assert reply.weight_version == 0  # the oldest version any of its tokens came from
+    assert reply.weight_version == 1  # the oldest version any of its tokens came from
     for got, want in zip(reply.outputs[0].completions, before.outputs[0].completions,
                          strict=True):
-        assert list(got.weight_versions) == [0, 1]
+        assert list(got.weight_versions) == [1, 2]
         assert list(got.token_ids) == list(want.token_ids)  # same weights, new version
 
     rollout = sampler_pb2.RolloutRequest(
-        request_id="after", group_size=2, min_version=1, prompts=[prompt],
+        request_id="after", group_size=2, min_version=2, prompts=[prompt],
         sampling=common_pb2.SamplingParams(temperature=1.0, max_new_tokens=8, has_seed=True,
                                            seed=3))
     (group,) = list(stub.Rollout(rollout, timeout=300))
-    assert group.weight_version == 1
-    assert all(list(c.weight_versions) == [1] for c in group.completions)
+    assert group.weight_version == 2
+    assert all(list(c.weight_versions) == [2] for c in group.completions)
