@@ -426,9 +426,6 @@ class SamplerConfig:
     def __post_init__(self):
         _check_positive("sampler.kv_cache_bytes", self.kv_cache_bytes, allow_zero=True)
         _check_positive("sampler.segment_steps", self.segment_steps)
-        if self.batching not in ("continuous", "static"):
-            raise ConfigError(f"sampler.batching: expected 'continuous' or 'static', got "
-                              f"{self.batching!r}")
         _check_positive("sampler.max_batch_size", self.max_batch_size)
         _check_positive("sampler.max_sequence_length", self.max_sequence_length)
         _check_positive("sampler.max_chunk_bytes", self.max_chunk_bytes)

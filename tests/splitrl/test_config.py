@@ -54,7 +54,8 @@ def test_range_validators_name_the_nested_key():
     with pytest.raises(ConfigError, match=r"sampling\.temperature: expected 0 \(greedy\) or "
                                           r">= 1e-05"):
         load_config(None, ["sampling.temperature=1.0e-38"])
-    with pytest.raises(ConfigError, match=r"sampler\.batching: expected 'continuous' or "):
+    with pytest.raises(ConfigError, match=r"sampler\.batching: expected one of \['continuous', "
+                                          r"'static'\], got 'dynamic'"):
         load_config(None, ["sampler.batching=dynamic"])
 
 
