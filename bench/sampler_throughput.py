@@ -18,9 +18,11 @@ Both engines load it, sample with temperature 1.0 and top_k 50, and get identica
   transformers in the same 4 batches of 16 prompts x `num_return_sequences=4`, which also
   decode until their last sequence ends. Tokens are counted up to and including the stop.
 
-SplitRL runs each request once to compile (reported separately) and then repeats it (same
-seed, so the same programs); transformers gets one small warm-up call. Prints tokens/s of
-each and the three ratios. XLA CPU flags: none besides the emulated device count
+SplitRL runs each request once to compile (reported separately), then times the runs in
+interleaved rounds (uniform, continuous, static, uniform, ...; ``--repeats`` rounds, best of
+each kept; same seed, so the same programs), so a change in the machine's load hits every
+mode alike; transformers gets one small warm-up call. Prints tokens/s of each and the three
+ratios. XLA CPU flags: none besides the emulated device count
 (``--devices``, default 1). Wall-clock figures on a shared machine depend on other
 processes: process CPU seconds are printed too, with the load average.
 """
@@ -44,7 +46,8 @@ def parse_args():
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--long-tail-n", type=int, default=4, help="completions per prompt")
-    ap.add_argument("--repeats", type=int, default=1, help="timed SplitRL runs (best is kept)")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="interleaved rounds of timed SplitRL runs (the best of each is kept)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-long-tail", action="store_true")
     ap.add_argument("--skip-uniform", action="store_true")
@@ -95,14 +98,18 @@ def main():
               f"params; {num_prompts} prompts (len {lengths.min()}-{lengths.max()}); "
               f"temperature 1.0, top_k 50; {cores} cores; splitrl mesh "
               f"{{'data': {args.devices}}}; load average {os.getloadavg()[0]:.1f}")
-        ours = {}
+        runs = {}  # name -> (engine, uniform)
+        engines = {"continuous": work.engine(model, "continuous", args.devices)}
         if not args.skip_uniform:
-            ours["uniform"] = work.splitrl(model, "continuous", uniform=True,
-                                           repeats=args.repeats, devices=args.devices)
+            runs["uniform"] = (engines["continuous"], True)
         if not args.skip_long_tail:
-            for mode in ("continuous", "static"):
-                ours[mode] = work.splitrl(model, mode, uniform=False, repeats=args.repeats,
-                                          devices=args.devices)
+            engines["static"] = work.engine(model, "static", args.devices)
+            runs["continuous"] = (engines["continuous"], False)
+            runs["static"] = (engines["static"], False)
+        ours = work.splitrl(model, runs, repeats=args.repeats)
+        for engine in engines.values():
+            engine.close()
+        if not args.skip_long_tail:
             print(f"long-tail ratio continuous / static = "
                   f"{ours['continuous'].tps / ours['static'].tps:.2f}x "
                   f"(cpu-time ratio {ours['static'].cpu_per_token / ours['continuous'].cpu_per_token:.2f}x; "  # noqa: E501
@@ -146,38 +153,57 @@ class Workloads:
     n: int
     cores: int
 
-    def splitrl(self, model, batching: str, *, uniform: bool, repeats: int,
-                devices: int) -> Timing:
+    def engine(self, model, batching: str, devices: int):
         from flax import nnx
 
         from sampler_service.engine import GenerationEngine
-        from sampler_service.sampling import SamplingOptions
         from splitrl.config import MeshConfig
         from splitrl.mesh import build_mesh
 
-        graphdef, state = nnx.split(model)
         mesh = build_mesh(MeshConfig(axes={"data": devices}, strategy="replicated"))
-        rows = len(self.prompts)
-        engine = GenerationEngine(model.config, graphdef, mesh=mesh, max_batch_size=rows,
-                                  max_sequence_length=64 + self.new_tokens, eos_token_ids=(),
-                                  pad_token_id=0, batching=batching)
-        state = engine.place_state(state, strategy="replicated")
-        n = 1 if uniform else self.n
-        options = SamplingOptions(temperature=1.0, top_k=50, max_new_tokens=self.new_tokens,
-                                  seed=1, stop_token_ids=() if uniform else tuple(self.stops))
-        t0 = time.perf_counter()
-        engine.generate(state, self.prompts, options, n=n)
-        first = time.perf_counter() - t0
-        best = None
+        return GenerationEngine(model.config, nnx.split(model)[0], mesh=mesh,
+                                max_batch_size=len(self.prompts),
+                                max_sequence_length=64 + self.new_tokens, eos_token_ids=(),
+                                pad_token_id=0, batching=batching)
+
+    def splitrl(self, model, runs: dict, *, repeats: int) -> dict:
+        """Warm each run (first call, compiles), then time ``repeats`` interleaved rounds;
+        prints and returns the best `Timing` of each run."""
+        from flax import nnx
+
+        from sampler_service.sampling import SamplingOptions
+
+        def request(uniform):
+            options = SamplingOptions(temperature=1.0, top_k=50, max_new_tokens=self.new_tokens,
+                                      seed=1, stop_token_ids=() if uniform else tuple(self.stops))
+            return options, 1 if uniform else self.n
+
+        states, first = {}, {}
+        for name, (engine, uniform) in runs.items():
+            if id(engine) not in states:
+                states[id(engine)] = engine.place_state(nnx.state(model), strategy="replicated")
+            options, n = request(uniform)
+            t0 = time.perf_counter()
+            engine.generate(states[id(engine)], self.prompts, options, n=n)
+            first[name] = time.perf_counter() - t0
+        best: dict = {}
         for _ in range(repeats):
-            before = engine.stats
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = engine.generate(state, self.prompts, options, n=n)
-            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if best is None or seconds < best.seconds:
-                best = Timing(sum(len(s.token_ids) for g in out for s in g), seconds, cpu)
-                after = engine.stats
-        engine.close()
+            for name, (engine, uniform) in runs.items():
+                options, n = request(uniform)
+                before = engine.stats
+                t0, c0 = time.perf_counter(), time.process_time()
+                out = engine.generate(states[id(engine)], self.prompts, options, n=n)
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if name not in best or seconds < best[name][0].seconds:
+                    timing = Timing(sum(len(s.token_ids) for g in out for s in g), seconds, cpu)
+                    best[name] = (timing, out, before, engine.stats)
+        for name, (engine, uniform) in runs.items():
+            timing, out, before, after = best[name]
+            self._report(name, engine.batching, uniform, timing, out, before, after,
+                         first[name])
+        return {name: best[name][0] for name in runs}
+
+    def _report(self, name, batching, uniform, best, out, before, after, first):
         lengths = [len(s.token_ids) for g in out for s in g]
         occupancy = ((after["live_row_steps"] - before["live_row_steps"])
                      / max(after["row_steps"] - before["row_steps"], 1))
@@ -192,8 +218,8 @@ class Workloads:
               f"{after['decode_seconds'] - before['decode_seconds']:.2f} s; prefill "
               f"{after['prefill_seconds'] - before['prefill_seconds']:.2f} s of "
               f"{after['prefill_padded_tokens'] - before['prefill_padded_tokens']} tokens, "
-              f"{after['prefill_tokens'] - before['prefill_tokens']} real)")
-        return best
+              f"{after['prefill_tokens'] - before['prefill_tokens']} real; "
+              f"load average {os.getloadavg()[0]:.1f})", flush=True)
 
     def transformers(self, path, *, uniform: bool) -> Timing:
         import torch
