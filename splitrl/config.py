@@ -40,6 +40,43 @@ def _check_positive(key: str, value: float | int | None, allow_zero: bool = Fals
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters, as in PEFT (``splitrl/models/lora.py``): only the adapters train, the base
+    stays frozen, pushes carry only the adapters, the export adds a PEFT adapter directory.
+
+    ``target_modules``: a regex that must match a whole Linear module name (PEFT's rule; the
+    parameter name ``<module>.weight`` counts too), or a list of module names or their last
+    part. ``path``: a PEFT adapter directory to start from; then rank, alpha and
+    target_modules left unset are the adapter's. Unset without ``path``: rank 16, alpha
+    2 x rank, every attention and MLP projection. ``dropout`` applies to the adapters' inputs
+    in the trainer's forward (an ``lm_head`` adapter is applied as a merged weight, without it).
+    """
+
+    rank: int | None = None
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: str | list[str] | None = None
+    path: str | None = None
+
+    def __post_init__(self):
+        _check_positive("lora.rank", self.rank)
+        _check_positive("lora.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout: expected 0 <= dropout < 1, got {self.dropout!r}")
+        if isinstance(self.target_modules, str):
+            import re
+
+            try:
+                re.compile(self.target_modules)
+            except re.error as e:
+                raise ConfigError(f"lora.target_modules: {self.target_modules!r} is not a "
+                                  f"valid regex: {e}") from None
+        elif self.target_modules is not None and not self.target_modules:
+            raise ConfigError("lora.target_modules: expected a regex or a non-empty list of "
+                              "module names, got []")
+
+
+@dataclass
 class ModelSection:
     """Which checkpoint the policy starts from (a local Hugging Face directory or a hub name)."""
 
@@ -47,6 +84,8 @@ class ModelSection:
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Attention/logit chunking for the training path (tokens per chunk).
     logprob_chunk_size: int = 256
+    # LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on.
+    lora: LoraConfig | None = None
 
     def __post_init__(self):
         _check_positive("model.logprob_chunk_size", self.logprob_chunk_size)
