@@ -39,12 +39,12 @@ import numpy as np
 from splitrl.config import Config, dump_config, to_dict
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
-from splitrl.models import from_pretrained
+from splitrl.models import from_pretrained, param_shapes
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
 from trainer_service.learning.batching import build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer
-from trainer_service.learning.export import export_hf
+from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
 from trainer_service.orchestration.evaluation import accuracy_function, eval_items, eval_metrics
@@ -117,7 +117,9 @@ class TrainerRun:
                                             metadata=self.metadata, run_dir=self.run_dir,
                                             sync_new_sampler=self._sync_new_sampler,
                                             identity=ModelIdentity.of(
-                                                model.config.architecture, self.learner.params))
+                                                model.config.architecture,
+                                                param_shapes(model.config),
+                                                self.learner.base_fingerprint))
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)
@@ -342,6 +344,8 @@ class TrainerRun:
         self._pushed_version = 0
         if self.checkpointer.latest_step() is None:
             return
+        self.learner.check_checkpoint_meta(self.checkpointer.read_meta().get("learner"),
+                                           where=f"checkpoint in {self.checkpointer.directory}")
         ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
         self.learner.load_train_state(ckpt.state, ckpt.step)
         self.step, self.version = ckpt.step, ckpt.weight_version
@@ -379,7 +383,8 @@ class TrainerRun:
         self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
         self.checkpointer.save(self.step, self.learner.train_state(),
                                weight_version=self.version, data_cursor=cursor,
-                               config=to_dict(self.cfg), force=True)
+                               config=to_dict(self.cfg),
+                               learner_meta=self.learner.checkpoint_meta(), force=True)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -411,8 +416,7 @@ class TrainerRun:
                 self._checkpoint(force=True)
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
-            export_hf(self._policy_model(), self.run_dir / "export",
-                      source_dir=self.cfg.model.path)
+            self._export()
             summary["step"] = float(self.step)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             self.status.state = "done"
@@ -451,6 +455,16 @@ class TrainerRun:
                  extra={"step": self.step, "version": self.version})
         return summary
 
+    def _export(self) -> None:
+        """The policy as a Hugging Face model in ``export/``; with LoRA also the adapters as a
+        PEFT directory ``export/adapter/`` (for the base checkpoint ``model.path``)."""
+        out = self.run_dir / "export"
+        export_hf(self._policy_model(), out, source_dir=self.cfg.model.path)
+        if self.learner.lora is not None:
+            adapters = self.hosts.gathered[0] if self.hosts.multi else self.learner.params
+            export_adapter(self.learner.lora, adapters, out / "adapter",
+                           config=self.learner.config, base_model=self.cfg.model.path)
+
     def _policy_model(self):
         """The current policy as an nnx model on this host (for the export)."""
         if not self.hosts.multi:
@@ -458,7 +472,7 @@ class TrainerRun:
         params, version = self.hosts.gathered  # the final step's push gathered them
         if version != self.version:
             params = self._params_for_push()
-        return host_model(self.learner, params)
+        return host_model(self.learner, params, base_path=self.cfg.model.path)
 
     def _follow(self) -> dict[str, float]:
         """A follower's run: the leader's train steps, gathers and checkpoints, on its word."""

@@ -1,6 +1,9 @@
-"""Export the trained policy as a Hugging Face model directory that `transformers` loads.
+"""Export the trained policy as a Hugging Face model directory that `transformers` loads, and
+LoRA adapters as a PEFT directory that `peft.PeftModel.from_pretrained(base, dir)` loads.
 
     export_hf(learner.model(), "runs/x/export", source_dir=cfg.model.path)
+    export_adapter(learner.lora, learner.params, "runs/x/export/adapter",
+                   config=learner.config, base_model=cfg.model.path)
 
 writes config.json, generation_config.json and safetensors weights (`splitrl.models.
 save_pretrained`, gathered from the trainer's mesh to the host) and, when `source_dir` (the
@@ -14,7 +17,9 @@ import os
 import shutil
 from pathlib import Path
 
-from splitrl.models import CausalLM, save_pretrained
+from splitrl.models import CausalLM, TransformerConfig, save_pretrained
+from splitrl.models.lora import LoraSpec
+from splitrl.models.peft_io import save_adapter
 
 # Everything a tokenizer (fast or slow) and its chat template may live in; weights and the
 # model config never come from the source.
@@ -53,3 +58,10 @@ def export_hf(
             shutil.copytree(source / "additional_chat_templates",
                             out / "additional_chat_templates", dirs_exist_ok=True)
     return out
+
+
+def export_adapter(spec: LoraSpec, adapters, out_dir: str | os.PathLike, *,
+                   config: TransformerConfig, base_model: str | None) -> Path:
+    """Write the adapters (any placement; gathered to the host) as a PEFT LoRA directory
+    (adapter_config.json + adapter_model.safetensors) for the base checkpoint `base_model`."""
+    return save_adapter(spec, adapters, out_dir, config=config, base_model=base_model)
