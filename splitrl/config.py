@@ -333,6 +333,29 @@ class DistributedConfig:
 
 
 @dataclass
+class PushConfig:
+    """How the trainer sends its weights to the samplers (docs/weight-sync.md)."""
+
+    # "bulk": the data plane of every sampler that offers one (GetInfo.data_address), gRPC
+    # PushWeights for any other; "grpc": PushWeights only.
+    transport: Literal["bulk", "grpc"] = "bulk"
+    # Samplers with the same layout form one chain that relays the push, so the trainer sends
+    # each byte once however many samplers there are (bulk transport).
+    relay: bool = True
+    # Send only the elements that changed since the version a sampler holds, chunk by chunk
+    # when that is smaller (bulk transport; the trainer keeps a host copy of the last push).
+    delta: bool = True
+    # One push, from the first byte to the last sampler's final report.
+    timeout_s: float = 300.0
+    # A data-plane peer that says nothing for this long has failed.
+    idle_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        _check_positive("trainer.push.timeout_s", self.timeout_s)
+        _check_positive("trainer.push.idle_timeout_s", self.idle_timeout_s)
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 100
     prompts_per_step: int = 16
@@ -357,6 +380,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DataConfig = field(default_factory=DataConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    push: PushConfig = field(default_factory=PushConfig)
 
     def __post_init__(self):
         _check_positive("trainer.steps", self.steps, allow_zero=True)
@@ -396,6 +420,15 @@ class SamplerConfig:
     # Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
     # Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up.
     register_with_trainer: bool = True
+    # The dtype the sampler serves (None: model.dtype). "bfloat16" with float32 training: the
+    # trainer keeps float32 master weights and sends bfloat16 (half the bytes).
+    dtype: Literal["float32", "bfloat16"] | None = None
+    # The bulk weight data plane (docs/weight-sync.md): its TCP port on services.host (0: any
+    # free port; advertised in GetInfo), or None for gRPC PushWeights only.
+    data_port: int | None = 0
+    # A push (either transport) that sends nothing for this long is abandoned, releasing the
+    # push lock; a relay declares its next sampler gone after this long without a word.
+    push_idle_timeout_s: float = 30.0
 
     def __post_init__(self):
         _check_positive("sampler.max_batch_size", self.max_batch_size)
@@ -403,6 +436,11 @@ class SamplerConfig:
         _check_positive("sampler.max_chunk_bytes", self.max_chunk_bytes)
         _check_positive("sampler.reward_timeout_s", self.reward_timeout_s)
         _check_positive("sampler.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
+        _check_positive("sampler.data_port", self.data_port, allow_zero=True)
+        if self.data_port is not None and self.data_port > 65535:
+            raise ConfigError(f"sampler.data_port: expected a TCP port <= 65535, got "
+                              f"{self.data_port}")
+        _check_positive("sampler.push_idle_timeout_s", self.push_idle_timeout_s)
 
 
 @dataclass

@@ -79,3 +79,19 @@ def test_dump_and_reload_round_trips(tmp_path):
 def test_missing_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_weight_sync_keys_are_typed_and_checked():
+    cfg = load_config(None, ["sampler.dtype=bfloat16", "sampler.data_port=null",
+                             "trainer.push.transport=grpc", "trainer.push.delta=false"])
+    assert cfg.sampler.dtype == "bfloat16" and cfg.sampler.data_port is None
+    assert cfg.trainer.push.transport == "grpc" and not cfg.trainer.push.delta
+    assert load_config(None, []).trainer.push.transport == "bulk"
+    with pytest.raises(ConfigError, match=r"sampler\.data_port: expected a TCP port <= 65535"):
+        load_config(None, ["sampler.data_port=70000"])
+    with pytest.raises(ConfigError, match=r"sampler\.push_idle_timeout_s: expected a value > 0"):
+        load_config(None, ["sampler.push_idle_timeout_s=0"])
+    with pytest.raises(ConfigError, match=r"trainer\.push\.transport"):
+        load_config(None, ["trainer.push.transport=carrier-pigeon"])
+    with pytest.raises(ConfigError, match=r"sampler\.dtype"):
+        load_config(None, ["sampler.dtype=float16"])

@@ -76,3 +76,17 @@ def test_an_address_that_is_not_a_sampler_is_refused():
             pool().register(server.address)
     finally:
         server.stop(0)
+
+
+def test_a_sampler_restarted_at_the_same_address_is_synced_again(sampler):
+    joined = []
+    services = ServicesConfig(sampler_addresses=[sampler.address], sampler_timeout_s=30.0)
+    p = SamplerPool(services, max_message_bytes=4 << 20, identity=OURS, on_join=joined.append)
+    p.refresh()
+    handle = p.all()[0]
+    p.mark_ready(handle, 7)
+    sampler.instance_id = "a-new-process"  # what a restart at the same address reports
+    p.refresh()
+    assert [h.address for h in joined] == [sampler.address] * 2  # pushed the weights again
+    assert handle.weight_version == 0 and handle.state != "ready"
+    p.stop()
