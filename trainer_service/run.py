@@ -121,7 +121,8 @@ class TrainerRun:
                                             identity=ModelIdentity.of(
                                                 model.config.architecture,
                                                 param_shapes(model.config),
-                                                self.learner.base_fingerprint))
+                                                self.learner.base_fingerprint),
+                                            lora=self.learner.lora)
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)

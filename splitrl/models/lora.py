@@ -234,6 +234,10 @@ def merge(base: Mapping[str, jax.Array], adapters: Mapping[str, jax.Array], spec
     :func:`merged_weight`, everything else is ``base``'s array itself (no copy). Jitted; the
     merged weights keep their base weight's sharding."""
     targeted = {f"{t}.weight" for t in spec.targets}
+    sharding = getattr(base[next(iter(sorted(targeted)))], "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):  # adapters whole on every device
+        replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        adapters = jax.device_put(dict(adapters), replicated)
     merged = _merge_jit(spec, {n: base[n] for n in sorted(targeted)}, dict(adapters))
     return {n: merged[n] if n in targeted else a for n, a in base.items()}
 
