@@ -164,8 +164,10 @@ class PushSession:
             return
         blocks = self.assembler.pop_blocks(name)
         placement = self.store.device_blocks[name]
-        # One host block per device shard (64-byte aligned: XLA:CPU aliases it, no copy).
-        shards = [jax.device_put(blocks[bounds], device) for device, bounds in placement.items()]
+        # One host block per device shard (64-byte aligned: XLA:CPU aliases it, no copy), all
+        # of a tensor's shards in one call (each call costs ~1 ms of Python in jax).
+        devices = list(placement)
+        shards = jax.device_put([blocks[placement[d]] for d in devices], devices)
         array = jax.make_array_from_single_device_arrays(
             self.store.manifest[name][1], self.store.shardings[name], shards)
         self.staged[name] = array

@@ -16,6 +16,7 @@ import select
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -67,6 +68,7 @@ class FrameStream:
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._peeked = b""  # a byte readable() took off a TLS stream to see data was there
         # A blocking socket whose deadlines are the kernel's (SO_RCVTIMEO/SO_SNDTIMEO): one
         # call moves a whole payload (MSG_WAITALL), where Python's own timeouts would make the
         # socket non-blocking and every call return what happens to be buffered.
@@ -132,6 +134,9 @@ class FrameStream:
         views where the socket allows it)."""
         total = sum(len(v) for v in views)
         pending = [v for v in views if len(v)]
+        if self._peeked and pending:
+            pending[0][0:1], self._peeked = self._peeked, b""
+            pending = _advance(pending, 1)
         try:
             while pending:
                 if self.tls:  # SSL sockets have no recvmsg_into
@@ -158,16 +163,35 @@ class FrameStream:
             n -= k
 
     def readable(self, timeout_s: float) -> bool:
-        """True once a frame (or EOF) can be read, False after ``timeout_s`` of silence."""
-        if self.tls and self.sock.pending():
+        """True once a frame (or EOF) can be read, False after ``timeout_s`` of silence. On TLS
+        the socket may be readable with protocol records only (a session ticket): a byte of
+        data is read to be sure, and kept for the next read."""
+        if self._peeked or (self.tls and self.sock.pending()):
             return True
-        ready, _, _ = select.select([self.sock], [], [], timeout_s)
-        return bool(ready)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _, _ = select.select([self.sock], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                return False
+            if not self.tls:
+                return True
+            self.sock.setblocking(False)
+            try:
+                self._peeked = self.sock.recv(1) or b""
+                return True  # a byte, or EOF (the next read says PeerGone)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                continue  # records without data
+            except OSError:
+                return True  # reset: the next read says so
+            finally:
+                self.sock.settimeout(None)
 
     def _recv_exact(self, n: int) -> bytes:
         buf = bytearray(n)
         got = 0
         view = memoryview(buf)
+        if self._peeked and n:
+            view[0:1], self._peeked, got = self._peeked, b"", 1
         while got < n:
             try:
                 k = self.sock.recv_into(view[got:], n - got, 0 if self.tls else socket.MSG_WAITALL)

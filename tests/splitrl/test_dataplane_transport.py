@@ -195,3 +195,37 @@ def test_a_silent_receiver_fails_at_the_idle_deadline():
         receiver.close()
     assert status_code(outcomes[0].code) == grpc.StatusCode.UNAVAILABLE
     assert "no report and no keepalive for 1s" in outcomes[0].message
+
+
+def _two_phase(receiver: Receiver, stream: FrameStream) -> None:
+    """A receiver that takes a whole push, reports it staged, and commits on the decision."""
+    from splitrl.dataplane.frames import DECISION
+
+    expect(stream, [OPEN], "OPEN")
+    while True:
+        kind, _, size, _ = stream.recv_head()
+        if kind == END:
+            break
+        receiver.got.append(bytes(stream.recv_payload(size)))
+    ok = outcome("me", grpc.StatusCode.OK, version=1)
+    stream.send(REPORT, dataplane_pb2.BulkReport(final=False, outcomes=[ok]))
+    _, meta, _ = expect(stream, [DECISION], "DECISION")
+    assert parse_meta(dataplane_pb2.BulkDecision, meta, "DECISION").commit
+    stream.send(REPORT, dataplane_pb2.BulkReport(final=True, outcomes=[ok]))
+
+
+def test_a_whole_push_over_mutual_tls_is_not_fooled_by_tls_records_without_data(tmp_path):
+    # A TLS 1.3 server sends session tickets after the handshake: the socket turns readable
+    # with no data, which must not be taken for the receiver's report (it would wait forever).
+    pki = make_pki(tmp_path)
+    receiver = Receiver(_two_phase, auth=pki.auth())
+    params = {"w": np.arange(50_000, dtype=np.float32)}
+    try:
+        link = PushLink([receiver.address], wire.push_header(params, 1), auth=pki.auth(),
+                        idle_timeout_s=5.0)
+        outcomes, sent_all = link.run(wire.iter_push_frames(params, 1, max_chunk_bytes=4096),
+                                      deadline=time.monotonic() + 30)
+    finally:
+        receiver.close()
+    assert sent_all and status_code(outcomes[0].code) == grpc.StatusCode.OK
+    assert b"".join(receiver.got) == params["w"].tobytes()
