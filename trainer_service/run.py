@@ -106,6 +106,8 @@ class TrainerRun:
         self.mesh = build_mesh(tcfg.mesh)
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
         self.learner = Learner.from_config(model, cfg, self.mesh)
+        log.info("learner state", extra={  # what LoRA saves shows here (bench/lora_memory.py)
+            f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
         self.version = 0  # of the weights; +1 per update
         self.step = 0

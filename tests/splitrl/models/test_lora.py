@@ -127,6 +127,52 @@ def test_an_adapter_peft_saved_loads_as_the_starting_point(checkpoint, tmp_path)
         load_adapter(tmp_path / "peft", model.config)
 
 
+def test_the_model_lora_section_starts_fresh_or_from_a_peft_adapter(checkpoint, tmp_path):
+    """``model.lora`` as a run gives it: defaults, a PEFT adapter as the starting point (the
+    learner trains from exactly its tensors), and settings that contradict the adapter."""
+    import peft
+    import torch
+    import transformers
+    from jax.sharding import Mesh
+
+    from splitrl.config import ConfigError, LoraConfig, load_config
+    from trainer_service.launcher import demo_config_path
+    from trainer_service.learning.learner import Learner
+
+    model = from_pretrained(checkpoint)
+    fresh, adapters = lora_lib.from_section(LoraConfig(), model.config)
+    assert (fresh.rank, fresh.alpha) == (16, 32.0)
+    assert fresh.targets == lora_lib.resolve_targets(model.config, PROJECTIONS)
+    assert all(not adapters[n].any() for n in fresh.names() if n.endswith("lora_B.weight"))
+
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    peft.get_peft_model(hf_base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+    )).save_pretrained(tmp_path / "start")
+    spec, saved = load_adapter(tmp_path / "start", model.config)
+    cfg = load_config(demo_config_path(), [f"model.path={checkpoint}",
+                                           f"model.lora.path={tmp_path / 'start'}",
+                                           "model.lora.rank=4"])
+    learner = Learner.from_config(model, cfg, Mesh(np.array(jax.devices()[:2]), ("fsdp",)))
+    assert learner.lora == spec and learner.lora.scale == 2.0
+    assert learner.base_fingerprint == checkpoint_fingerprint(checkpoint)
+    for name, value in saved.items():
+        np.testing.assert_array_equal(np.asarray(learner.params[name]), value, err_msg=name)
+
+    with pytest.raises(ValueError, match="model.lora.rank: 8 differs from the adapter"):
+        lora_lib.from_section(LoraConfig(path=str(tmp_path / "start"), rank=8), model.config)
+    with pytest.raises(ValueError, match="model.lora.target_modules: .* differs"):
+        lora_lib.from_section(LoraConfig(path=str(tmp_path / "start"),
+                                         target_modules=["q_proj"]), model.config)
+    with pytest.raises(ValueError, match="'.*nothing' matches none of the Linear modules"):
+        lora_lib.from_section(LoraConfig(target_modules=".*nothing"), model.config)
+    for bad, message in ((dict(target_modules="(q_proj"), "not a valid regex"),
+                         (dict(target_modules=[]), "non-empty list"),
+                         (dict(dropout=1.0), "lora.dropout"), (dict(rank=0), "lora.rank")):
+        with pytest.raises(ConfigError, match=message):
+            LoraConfig(**bad)
+
+
 def test_merge_is_bitwise_equal_on_every_mesh_and_matches_the_forward(tiny_config):
     """Trainer (fsdp over 4) and sampler (tensor parallel over 2) merge to the same bits."""
     from splitrl.models import init_random
