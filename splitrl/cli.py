@@ -9,7 +9,6 @@ container probe must not pay for importing JAX.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
 import sys
@@ -68,7 +67,7 @@ def _health_auth(args: argparse.Namespace) -> AuthConfig:
     auth = load_config(args.config).services.auth if args.config else AuthConfig()
     flags = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
              "tls_server_name": args.tls_server_name}
-    return dataclasses.replace(auth, **{k: v for k, v in flags.items() if v is not None})
+    return AuthConfig(**{**auth.model_dump(), **{k: v for k, v in flags.items() if v is not None}})
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -85,8 +84,14 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
+    import json
     import tempfile
 
+    if args.schema:
+        from splitrl.config import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return 0
     cfg = _config(args)
     with tempfile.NamedTemporaryFile("r", suffix=".yaml") as f:
         dump_config(cfg, f.name)
@@ -187,8 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("config", help="print the resolved config (file + overrides)")
+    p = sub.add_parser("config", help="print the resolved config (file + overrides), or with "
+                       "--schema the JSON schema of a config file")
     _add_config_args(p)
+    p.add_argument("--schema", action="store_true",
+                   help="print the JSON schema of the config (for editors) and exit")
     p.set_defaults(func=_show_config)
 
     p = sub.add_parser("init-model", help="write a tiny random HF checkpoint and a tokenizer")
