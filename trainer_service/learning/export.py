@@ -79,8 +79,10 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *,
     directory. The checkpoint's own config says which model it trains (``model.path``: its
     architecture and tokenizer); ``base_model`` replaces that path when the run was made
     elsewhere. Returns (the directory, the step, the run's config)."""
-    from splitrl.config import Config, MeshConfig, validate
-    from splitrl.mesh import build_mesh
+    import jax
+    import numpy as np
+
+    from splitrl.config import Config, validate
     from splitrl.models import from_pretrained
     from trainer_service.learning.checkpoints import Checkpointer
     from trainer_service.learning.learner import Learner
@@ -99,7 +101,8 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *,
                 f"the run's model {model_path} (model.path) is not here: pass the directory of "
                 "the model it started from (splitrl export --base-model DIR)")
         model = from_pretrained(model_path, dtype=cfg.model.dtype)
-        learner = Learner.from_config(model, cfg, build_mesh(MeshConfig(axes={"fsdp": 1})))
+        one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+        learner = Learner.from_config(model, cfg, one_device)  # the arrays come to this host
         restored = checkpointer.restore(learner.abstract_train_state(), int(meta["step"]))
     learner.load_train_state(restored.state, restored.step)
     out = export_hf(learner.model(), out_dir, source_dir=model_path, dtype=dtype)
