@@ -27,10 +27,10 @@ import json
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from splitrl.config import Config, load_config, validate
+from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
 from trainer_service.orchestration.dispatcher import Dispatcher, sampling_params
@@ -99,11 +99,8 @@ def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: lis
     pool.start()
     dispatcher.start()
     try:
-        deadline = time.monotonic() + timeout_s
-        while not pool.ready():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no sampler of {sampler_addresses} ready in {timeout_s:.0f}s")
-            time.sleep(0.2)
+        wait_until(pool.ready, timeout_s=timeout_s, stop=stop,
+                   what=f"a sampler of {sampler_addresses} ready")
         items = eval_items(rows)
         result = eval_metrics(collect_lane(queue, items, EVAL, stop=stop), fn, len(items))
         if samples:

@@ -36,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 
 from splitrl.config import Config, MeshConfig, dump_config
+from splitrl.retry import wait_until
 from splitrl.serving import check_health, make_channel
 from trainer_service.orchestration.evaluation import accuracy_line
 from trainer_service.service_logs import LogFollower, error_lines
@@ -116,15 +117,13 @@ class Launcher:
         return [f"services.metrics_port={port}"]
 
     def wait_healthy(self, name: str, address: str, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
+        def exited() -> None:
+            if self.procs[name].poll() is not None:
                 raise RuntimeError(self.exit_report(name))
-            if check_health(address, timeout_s=1.0, auth=self.cfg.services.auth):
-                return
-            time.sleep(0.3)
-        raise TimeoutError(f"{name} at {address} not healthy after {timeout_s:.0f}s")
+
+        wait_until(lambda: check_health(address, timeout_s=1.0, auth=self.cfg.services.auth),
+                   timeout_s=timeout_s, interval_s=0.3, check=exited,
+                   what=f"{name} at {address} healthy")
 
     def exit_report(self, name: str) -> str:
         """``name`` exited: its exit code and the last error lines of its log."""

@@ -40,6 +40,7 @@ from splitrl.config import Config, dump_config, to_dict
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained
+from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
 from trainer_service.learning.batching import build_train_batch
@@ -330,12 +331,8 @@ class TrainerRun:
                                           "version": version, "error": result.error})
 
     def _wait_for_samplers(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not [h for h in self.pool.ready() if h.weight_version >= self.version]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no sampler became ready within {timeout_s:.0f}s")
-            if self.stop_event.wait(0.2):
-                raise InterruptedError("stopped while waiting for samplers")
+        wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
+                   timeout_s=timeout_s, stop=self.stop_event, what="a sampler ready")
 
     # -- checkpoint / resume --------------------------------------------------------------
 

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from splitrl.config import load_config
 from trainer_service.orchestration.rollouts import Completion, RolloutGroup, WorkItem
 from trainer_service.tracking import Trackers, missing_trackers
