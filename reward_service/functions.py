@@ -27,14 +27,23 @@ def make_format(pattern: str = DEFAULT_FORMAT, dotall: bool = True, fullmatch: b
     return format_reward
 
 
+@register("overlong_penalty", "DAPO's soft overlong punishment in tokens (also registered as "
+          "'length'): 0 up to max_tokens - buffer, then linearly down to -penalty at "
+          "max_tokens, -penalty beyond.")
 @register("length", "DAPO overlong penalty in tokens: 0 up to max_tokens - buffer, then linearly "
           "down to -1 at max_tokens, -1 beyond.")
 def make_length(max_tokens: int, buffer: int = 0, penalty: float = 1.0,
                 tokenizer: str | None = None):
-    """Soft overlong punishment (DAPO, eq. 13) counted in completion tokens.
+    """Soft overlong punishment (DAPO, Yu et al. 2025, eq. 13) counted in completion tokens.
 
-    ``L <= max_tokens - buffer`` -> 0; ``max_tokens - buffer < L <= max_tokens`` ->
-    ``(max_tokens - buffer - L) / buffer``; ``L > max_tokens`` -> -1; all times ``penalty``.
+    With L the completion's length, L_max = ``max_tokens`` and L_cache = ``buffer``::
+
+        R(L) =  0                              L <= L_max - L_cache
+                ((L_max - L_cache) - L) / L_cache   L_max - L_cache < L <= L_max
+                -1                             L > L_max
+
+    times ``penalty``. DAPO adds it to the correctness reward (give both functions in
+    ``reward.functions``) with L_max the generation budget and L_cache its overlong buffer.
     Token counts come from the item's ``completion_tokens``; when a client does not send them
     (0 for a non-empty completion) the optional ``tokenizer`` (a local Hugging Face tokenizer
     directory) counts them, else the item errors.

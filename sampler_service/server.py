@@ -23,6 +23,7 @@ import logging
 import socket
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import grpc
@@ -59,6 +60,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.weights = weights
         self.worker = worker
         self.address = address
+        self.instance_id = uuid.uuid4().hex  # this process, whatever address reaches it
         metrics.WEIGHT_VERSION.set(weights.version)
 
     @property
@@ -84,6 +86,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             max_sequence_length=self.worker.max_sequence_length,
             max_chunk_bytes=self.weights.max_chunk_bytes,
             address=self.address,
+            instance_id=self.instance_id,
         )
         metrics.REQUESTS.labels("GetInfo", "OK").inc()
         return info

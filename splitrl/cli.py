@@ -173,6 +173,19 @@ def _list(args: argparse.Namespace) -> int:
     return _list_rewards(args) if args.what == "rewards" else _list_tasks(args)
 
 
+def _audit(args: argparse.Namespace) -> int:
+    from trainer_service.orchestration.audit import audit_run
+
+    try:
+        report = audit_run(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"splitrl audit: {e}", file=sys.stderr)
+        return 2
+    print(f"run: {args.run_dir}")
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
 def _plot(args: argparse.Namespace) -> int:
     return _call("trainer_service.plots:main")(args.run_dir)
 
@@ -291,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", default=None,
                    help="the model the run started from, if not at its model.path")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("audit", help="account for every prompt a run drew: trained once, "
+                       "filtered, dropped, unfinished; exit 1 if any was trained twice or lost")
+    p.add_argument("run_dir")
+    p.set_defaults(func=_audit)
 
     p = sub.add_parser("plot", help="draw a run's curves (reward, accuracy, KL, ...) to PNG")
     p.add_argument("run_dir")

@@ -54,6 +54,7 @@ from trainer_service.orchestration.evaluation import (
     eval_items,
     eval_metrics,
 )
+from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.membership import SamplerHandle
 from trainer_service.orchestration.parts import build_leader_parts
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
@@ -122,7 +123,9 @@ class TrainerRun:
             self.pad_id = self.tokenizer.pad_token_id or 0
             self.parts = build_leader_parts(cfg, tokenizer=self.tokenizer,
                                             metadata=self.metadata, run_dir=self.run_dir,
-                                            sync_new_sampler=self._sync_new_sampler)
+                                            sync_new_sampler=self._sync_new_sampler,
+                                            identity=ModelIdentity.of(
+                                                model.config.architecture, self.learner.params))
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)

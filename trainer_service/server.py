@@ -24,6 +24,7 @@ from splitrl.logs import configure_logging
 from splitrl.metrics import start_metrics_server
 from splitrl.serving import start_server
 from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
+from trainer_service.orchestration.identity import RefusedSampler
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"address: expected HOST:PORT reachable from the trainer, got {request.address!r}",
             )
-        self.run.pool.add(request.address, "registered", request.sampler_id)
+        try:  # a sampler of our model, once per process (it is asked for its GetInfo)
+            self.run.pool.register(request.address, request.sampler_id)
+        except RefusedSampler as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return trainer_pb2.RegisterSamplerReply(
             accepted=True,
             heartbeat_interval_s=self.run.cfg.services.heartbeat_s,

@@ -41,7 +41,7 @@ class MeshInfo(_message.Message):
     def __init__(self, axis_names: _Optional[_Iterable[str]] = ..., axis_sizes: _Optional[_Iterable[int]] = ..., device_count: _Optional[int] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class SamplerInfo(_message.Message):
-    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address")
+    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address", "instance_id")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class SamplerInfo(_message.Message):
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     model_fingerprint: str
     architecture: str
@@ -64,7 +65,8 @@ class SamplerInfo(_message.Message):
     max_sequence_length: int
     max_chunk_bytes: int
     address: str
-    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("version", "tensor_count", "total_bytes", "sender", "reset")

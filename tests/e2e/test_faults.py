@@ -23,6 +23,7 @@ from tests.e2e.harness import (
     wait_for,
 )
 from trainer_service.launcher import Launcher
+from trainer_service.orchestration.audit import audit_run
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +142,10 @@ def test_trainer_killed_resumes_from_checkpoint_with_dynamic_sampling(arith_mode
     assert sorted(int(u.rsplit("#", 1)[1]) for u in done) == list(range(len(done)))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(m.get("counts/zero_variance_filtered", 0) for m in metrics) > 0
+    # `splitrl audit` reaches the same verdict from the run directory alone.
+    report = audit_run(run_dir)
+    assert report.ok and report.trained == steps * per_step
+    assert report.filtered == len(filtered) and report.rolled_back == len(rolled_back)
 
 
 def test_async_staleness_is_bounded_with_auth(arith_model, tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from reward_server_setup import SERVER_CONFIG
+from reward_server_setup import MARKER, SERVER_CONFIG
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -31,6 +31,11 @@ class RunningServer:
     process: subprocess.Popen
     log_path: Path
 
+    @property
+    def hang_marker(self) -> Path:
+        """Written by ``hang_when_asked`` once a worker is stuck in it."""
+        return self.log_path.parent / MARKER
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -42,7 +47,11 @@ def reward_server(tmp_path_factory) -> RunningServer:
 
     tmp = tmp_path_factory.mktemp("reward_server")
     config = tmp / "reward.yaml"
-    config.write_text(yaml.safe_dump(SERVER_CONFIG))
+    settings = yaml.safe_load(yaml.safe_dump(SERVER_CONFIG))
+    for function in settings["reward"]["functions"]:
+        if function.get("options", {}).get("marker") == MARKER:
+            function["options"]["marker"] = str(tmp / MARKER)
+    config.write_text(yaml.safe_dump(settings))
     address = f"127.0.0.1:{_free_port()}"
     log_path = tmp / "server.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))

@@ -20,6 +20,18 @@ def hang_ignoring_alarm(prompts, completions, references, **kwargs):
         time.sleep(3600)
 
 
+def hang_when_asked(prompts, completions, references, marker: str = "", **kwargs):
+    """Scores 0, except for a reference of "hang": then it writes ``marker`` (so a test knows
+    a worker is stuck in it) and hangs, ignoring SIGALRM, until its worker is killed."""
+    if references and references[0] == "hang":
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        while True:
+            time.sleep(3600)
+    return [0.0 for _ in completions]
+
+
 def raise_error(prompts, completions, references, **kwargs):
     raise RuntimeError("this reward function is broken")
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 TIMEOUT_S = 2.0  # reward.timeout_s of the test server
 KILL_GRACE_S = 0.5
 USER_TIMEOUT_S = 1.0  # the misbehaving user functions get a shorter limit
+# hang_when_asked's limit: long enough that whatever else a test does while it hangs finishes
+# first, however busy the machine.
+HANG_TIMEOUT_S = 10.0
+MARKER = "hang-marker"  # its marker file, in the server's temporary directory
 MAX_ITEMS = 64
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
@@ -36,6 +40,8 @@ SERVER_CONFIG = {
             {"name": P + "raise_error"},
             {"name": P + "return_nan"},
             {"name": P + "exit_process"},
+            {"name": P + "hang_when_asked", "weight": 0.0, "timeout_s": HANG_TIMEOUT_S,
+             "options": {"marker": MARKER}},
             *({"name": name, "weight": 0.0} for name in CONVENTION_FUNCTIONS),
         ],
     },

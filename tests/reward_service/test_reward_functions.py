@@ -99,12 +99,13 @@ def test_format_custom_pattern_and_bad_pattern():
         resolve("format", {"pattern": "("})
 
 
+@pytest.mark.parametrize("name", ["overlong_penalty", "length"])
 @pytest.mark.parametrize("tokens,expected", [
     (1, 0.0), (80, 0.0), (81, -1 / 20), (90, -0.5), (100, -1.0), (101, -1.0), (5000, -1.0),
 ])
-def test_length_dapo_overlong_penalty(tokens, expected):
+def test_dapo_overlong_penalty(name, tokens, expected):
     # max_tokens 100, buffer 20: free up to 80, then linear down to -1 at 100 (DAPO eq. 13).
-    score = one("length", "x", options={"max_tokens": 100, "buffer": 20},
+    score = one(name, "x", options={"max_tokens": 100, "buffer": 20},
                 completion_tokens=tokens)
     assert score == pytest.approx(expected)
 

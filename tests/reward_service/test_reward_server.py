@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
 import pytest
 from reward_server_setup import (
-    KILL_GRACE_S,
+    HANG_TIMEOUT_S,
     MAX_ITEMS,
     SERVER_CONFIG,
     TIMEOUT_S,
@@ -18,11 +17,11 @@ from reward_server_setup import (
 from splitrl.v1 import reward_pb2
 
 P = "pathological_rewards:"
-# Time limit + kill grace + room for a busy 2-core machine.
-SLACK_S = 1.5
+# A bound on each call, so a hang fails the test instead of stalling it; never the assertion.
+HANG_GUARD_S = 60
 
 
-def score(stub, items, functions=(), timeout=30):
+def score(stub, items, functions=(), timeout=HANG_GUARD_S):
     request = reward_pb2.ScoreRequest(items=items, functions=list(functions))
     return stub.Score(request, timeout=timeout)
 
@@ -72,9 +71,7 @@ def test_scores_carry_each_function_the_weighted_total_and_reasons(reward_stub):
 
 def test_empty_function_list_means_all_configured(reward_stub):
     # One item through every function, the misbehaving ones included: the reply still comes.
-    start = time.monotonic()
     reply = score(reward_stub, [item("3", "3", completion_tokens=1)])
-    assert time.monotonic() - start < 2 * (USER_TIMEOUT_S + KILL_GRACE_S) + TIMEOUT_S + SLACK_S
     assert len(reply.scores[0].scores) == len(SERVER_CONFIG["reward"]["functions"])
     assert reply.scores[0].scores["math_accuracy"] == 1.0
     assert reply.scores[0].total == pytest.approx(2.0)  # math_accuracy + exact_answer
@@ -108,10 +105,7 @@ PATHOLOGICAL = {
 @pytest.mark.parametrize("case", list(PATHOLOGICAL))
 def test_pathological_input_scores_zero_with_a_reason_in_time(reward_stub, case):
     msg, functions, limit, reason = PATHOLOGICAL[case]
-    start = time.monotonic()
-    reply = score(reward_stub, [msg], functions)
-    elapsed = time.monotonic() - start
-    assert elapsed < limit + KILL_GRACE_S + SLACK_S, f"{case} took {elapsed:.2f} s"
+    reply = score(reward_stub, [msg], functions)  # cut at its limit: "timeout" where it hangs
     result = reply.scores[0]
     for name in functions:
         assert result.scores[name] == 0.0, (case, name, dict(result.reasons))
@@ -128,18 +122,21 @@ def test_invalid_utf8_is_decoded_with_replacement(reward_stub):
     assert reply.scores[0].scores["math_accuracy"] == 1.0
 
 
-def test_a_hung_function_does_not_block_other_requests(reward_stub):
-    hung = threading.Thread(target=score, args=(reward_stub, [item("1", "1")],
-                                                [P + "hang_ignoring_alarm"]))
-    hung.start()
-    time.sleep(0.2)
-    start = time.monotonic()
+def test_a_hung_function_does_not_block_other_requests(reward_server, reward_stub):
+    hung = reward_stub.Score.future(reward_pb2.ScoreRequest(
+        items=[item("1", "hang")], functions=[P + "hang_when_asked"]),
+        timeout=HANG_TIMEOUT_S + HANG_GUARD_S)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not reward_server.hang_marker.exists():  # a worker is stuck in it now
+        assert time.monotonic() < deadline and not hung.done(), "the hang never started"
+        time.sleep(0.01)
     items = [item(f"\\boxed{{{i}}}", str(i)) for i in range(20)]
     reply = score(reward_stub, items, ["math_accuracy"])
-    elapsed = time.monotonic() - start
-    hung.join()
+    assert not hung.done()  # the other worker served these while the first one hangs
     assert [s.scores["math_accuracy"] for s in reply.scores] == [1.0] * 20
-    assert elapsed < USER_TIMEOUT_S + KILL_GRACE_S, elapsed  # the other worker served it
+    stuck = hung.result()  # then the hung call is cut at its limit, and says so
+    assert stuck.scores[0].reasons[P + "hang_when_asked"] == "timeout"
+    reward_server.hang_marker.unlink()
 
 
 def _status(call) -> tuple[grpc.StatusCode, str]:

@@ -12,6 +12,7 @@ tests/e2e; this double exists to make each failure happen on cue.)
 from __future__ import annotations
 
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,6 +30,8 @@ class Script:
     reward_down: int = 0  # answer "reward service unavailable" this many times
     refuse_text: str = "BAD"  # INVALID_ARGUMENT for a request holding a prompt with this
     flat: bool = False  # every completion of a group gets the same reward
+    architecture: str = "ScriptedForCausalLM"
+    shapes: dict = field(default_factory=lambda: {"model.embed_tokens.weight": (16, 8)})
 
 
 @dataclass
@@ -36,6 +39,7 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
     name: str
     script: Script = field(default_factory=Script)
     requests: list[sampler_pb2.RolloutRequest] = field(default_factory=list)
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self):
@@ -49,9 +53,13 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
         self.server.stop(0)
 
     def GetInfo(self, request, context):
+        params = [sampler_pb2.ParamInfo(name=n, dtype="float32", shape=list(s))
+                  for n, s in self.script.shapes.items()]
         return sampler_pb2.SamplerInfo(sampler_id=self.name, weight_version=self.script.version,
                                        max_batch_size=self.script.capacity,
-                                       max_sequence_length=64, max_chunk_bytes=1 << 20)
+                                       max_sequence_length=64, max_chunk_bytes=1 << 20,
+                                       architecture=self.script.architecture, params=params,
+                                       instance_id=self.instance_id)
 
     def Rollout(self, request, context):
         script = self.script

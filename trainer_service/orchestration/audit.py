@@ -16,6 +16,7 @@ final lineage exactly once and the rolled-back work stays visible.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -84,3 +85,93 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class AuditReport:
+    """What ``splitrl audit RUN_DIR`` prints: every drawn prompt accounted for, or not."""
+
+    steps: list[int]
+    rolled_back: int
+    checkpoint_step: int | None
+    drawn: int
+    trained: int
+    filtered: int
+    dropped: int
+    unfinished: int
+    twice: list[str]
+    lost: list[int]
+
+    @property
+    def ok(self) -> bool:
+        return not self.twice and not self.lost
+
+    def lines(self) -> list[str]:
+        steps = (f"{len(self.steps)} ({self.steps[0]}-{self.steps[-1]})" if self.steps
+                 else "none")
+        checkpoint = ("no checkpoint" if self.checkpoint_step is None
+                      else f"the last checkpoint, step {self.checkpoint_step}")
+        return [
+            f"steps recorded: {steps}; rolled back and repeated: {self.rolled_back} record(s)",
+            f"drawn (by {checkpoint}): {self.drawn}",
+            f"trained: {self.trained}  filtered: {self.filtered}  dropped: {self.dropped}  "
+            f"unfinished at the checkpoint: {self.unfinished}",
+            f"trained twice: {len(self.twice)}" + (f" e.g. {self.twice[:5]}" if self.twice
+                                                   else ""),
+            f"lost: {len(self.lost)}" + (f" e.g. draw numbers {self.lost[:5]}" if self.lost
+                                         else ""),
+        ]
+
+
+def audit_run(run_dir: str | Path) -> AuditReport:
+    """Account for every prompt a run drew, across restarts: trained, filtered (dynamic
+    sampling), dropped (refused twice) or still unfinished at the last checkpoint, once each.
+
+    ``drawn`` is the draw count saved with the last checkpoint, the point a resume continues
+    from (prompts drawn after it are drawn again by a resume, so they are not lost)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run directory at {run_dir}")
+    records = read_records(run_dir / TRAINED)
+    rolled_back = read_records(run_dir / ROLLED_BACK)
+    step, cursor = _last_checkpoint(run_dir)
+    trained = [u for r in records for u in r["uids"]]
+    filtered = [u for r in records for u in r.get("filtered", [])]
+    dropped = [d["uid"] for r in records for d in r.get("dropped", [])]
+    unfinished = [item["uid"] for item in (cursor or {}).get("unfinished", [])]
+    done = trained + filtered + dropped
+    counts: dict[str, int] = {}
+    for uid in done:
+        counts[uid] = counts.get(uid, 0) + 1
+    twice = sorted(u for u, n in counts.items() if n > 1)
+    drawn = int((cursor or {}).get("drawn", 0))
+    accounted = {_draw_number(u) for u in done + unfinished}
+    lost = [n for n in range(drawn) if n not in accounted]
+    return AuditReport([r["step"] for r in records], len(rolled_back), step, drawn,
+                       len(trained), len(filtered), len(dropped), len(unfinished), twice, lost)
+
+
+def _draw_number(uid: str) -> int:
+    return int(uid.rsplit("#", 1)[1])
+
+
+def _last_checkpoint(run_dir: Path) -> tuple[int | None, dict | None]:
+    """(step, data cursor) of the newest complete checkpoint, read from its JSON metadata
+    (no JAX needed). Checkpoints live in <run_dir>/checkpoints unless the run's config.yaml
+    names another directory."""
+    directory = run_dir / "checkpoints"
+    config = run_dir / "config.yaml"
+    if config.exists():
+        import yaml
+
+        configured = (yaml.safe_load(config.read_text()) or {}).get("trainer", {}) \
+            .get("checkpoint", {}).get("dir")
+        if configured:
+            directory = Path(configured)
+    steps = sorted((int(p.name) for p in directory.glob("*") if p.name.isdigit()
+                    and (p / "meta" / "metadata").exists()), reverse=True) \
+        if directory.is_dir() else []
+    if not steps:
+        return None, None
+    meta = json.loads((directory / str(steps[0]) / "meta" / "metadata").read_text())
+    return int(meta["step"]), meta.get("data_cursor")

@@ -14,6 +14,11 @@ A sampler goes ``new`` -> ``syncing`` (the publisher pushes the current weights)
 unreachable for ``services.sampler_timeout_s`` is dropped: its channel is closed, so its calls
 in flight fail and the rollout queue hands their prompts to other samplers.
 
+A sampler must be a SplitRL sampler of this model (``identity.py``): an address that answers
+``GetInfo`` with another architecture or other parameter shapes is refused, and a second
+address of a process already known (same instance id) is merged into the known entry, not
+added beside it.
+
 The pool is the one writer of sampler state: every field of a :class:`SamplerHandle` changes
 only inside a pool method, under the pool's lock. The dispatcher and the publisher report what
 they saw (``report_ok``, ``report_failure``, ``behind``, ``mark_ready``, ``remove``) and read
@@ -34,6 +39,7 @@ import grpc
 from splitrl.config import ServicesConfig
 from splitrl.serving import make_channel
 from splitrl.v1 import sampler_pb2, sampler_pb2_grpc
+from trainer_service.orchestration.identity import ModelIdentity, RefusedSampler
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +96,16 @@ class SamplerPool:
         *,
         max_message_bytes: int,
         on_join: Callable[[SamplerHandle], None] | None = None,
+        identity: ModelIdentity | None = None,
     ):
         self._cfg = services
+        self._identity = identity
         self._max_message_bytes = max_message_bytes
         self._lock = threading.RLock()
         self._samplers: dict[str, SamplerHandle] = {}
         self._dropped: dict[str, float] = {}  # address -> when it was dropped
+        self._aliases: dict[str, str] = {}  # another address of a known sampler -> its own
+        self._refused: dict[str, tuple[float, str]] = {}  # address -> (when, why)
         self._on_join = on_join or (lambda h: None)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -106,7 +116,7 @@ class SamplerPool:
 
     def add(self, address: str, source: str, sampler_id: str = "") -> SamplerHandle:
         with self._lock:
-            handle = self._samplers.get(address)
+            handle = self._samplers.get(self._aliases.get(address, address))
             if handle is not None:  # known already; only a successful call refreshes last_ok
                 if sampler_id:
                     handle.sampler_id = sampler_id
@@ -126,7 +136,48 @@ class SamplerPool:
 
     def get(self, address: str) -> SamplerHandle | None:
         with self._lock:
-            return self._samplers.get(address)
+            return self._samplers.get(self._aliases.get(address, address))
+
+    def register(self, address: str, sampler_id: str = "") -> SamplerHandle:
+        """A sampler announced itself at ``address``: check it is a sampler of our model
+        (RefusedSampler says why not) and add it, or return its entry if the process is known
+        under another address. Nothing is pushed here; the next refresh syncs it."""
+        info = self._get_info(address)
+        reason = self._identity.mismatch(info) if self._identity else None
+        if reason:
+            self._refuse(address, reason)
+            raise RefusedSampler(f"{address} is not a sampler of this run's model: {reason}")
+        with self._lock:
+            twin = self._instance(info.instance_id)
+            if twin is not None and twin.address != address:
+                self._aliases[address] = twin.address
+                log.info("sampler already known under another address",
+                         extra={"address": address, "known_as": twin.address})
+                return twin
+            self._refused.pop(address, None)
+        return self.add(address, "registered", sampler_id)
+
+    def _get_info(self, address: str) -> sampler_pb2.SamplerInfo:
+        channel = make_channel(address, self._max_message_bytes, self._cfg.auth)
+        try:
+            return sampler_pb2_grpc.SamplerStub(channel).GetInfo(sampler_pb2.GetInfoRequest(),
+                                                                 timeout=5.0)
+        except grpc.RpcError as e:
+            raise RefusedSampler(f"{address} did not answer GetInfo as a SplitRL sampler "
+                                 f"({e.code().name}: {e.details()})") from None
+        finally:
+            channel.close()
+
+    def _instance(self, instance_id: str) -> SamplerHandle | None:
+        if not instance_id:
+            return None
+        return next((h for h in self._samplers.values()
+                     if h.info is not None and h.info.instance_id == instance_id), None)
+
+    def _refuse(self, address: str, reason: str) -> None:
+        with self._lock:
+            self._refused[address] = (time.monotonic(), reason)
+        log.warning("sampler refused", extra={"address": address, "why": reason})
 
     def remove(self, handle: SamplerHandle, why: str) -> None:
         with self._lock:
@@ -134,9 +185,20 @@ class SamplerPool:
                 return
             del self._samplers[handle.address]
             self._dropped[handle.address] = time.monotonic()
+            self._aliases = {a: c for a, c in self._aliases.items() if c != handle.address}
             self.left += 1
         handle.channel.close()  # its calls in flight fail; the queue re-dispatches them
         log.warning("sampler dropped", extra={"address": handle.address, "why": why})
+
+    def _forget(self, handle: SamplerHandle, why: str) -> None:
+        """Remove an entry that is not a sampler of ours (refused, or an alias): not a
+        sampler leaving the run."""
+        with self._lock:
+            if self._samplers.get(handle.address) is not handle:
+                return
+            del self._samplers[handle.address]
+        handle.channel.close()
+        log.info("sampler entry removed", extra={"address": handle.address, "why": why})
 
     def all(self) -> list[SamplerHandle]:
         with self._lock:
@@ -170,8 +232,27 @@ class SamplerPool:
             elif handle.state == READY:
                 self.report_failure(handle, e.code().name)
             return
+        reason = self._identity.mismatch(info) if self._identity else None
+        if reason:
+            self._refuse(handle.address, reason)
+            self._forget(handle, f"not a sampler of this run's model: {reason}")
+            return
         joined = False
         with self._lock:
+            twin = self._instance(info.instance_id)
+            if twin is not None and twin is not handle:
+                self._aliases[handle.address] = twin.address
+                merged = True
+            else:
+                merged = False
+        if merged:
+            self._forget(handle, f"the same sampler process as {twin.address}")
+            return
+        with self._lock:
+            restarted = (handle.info is not None and info.instance_id
+                         and handle.info.instance_id != info.instance_id)
+            if restarted:  # a new process at the same address: it holds none of our weights
+                handle.state = NEW
             handle.info = info
             handle.sampler_id = info.sampler_id or handle.sampler_id
             handle.last_ok = time.monotonic()
@@ -185,7 +266,8 @@ class SamplerPool:
             elif handle.state == SUSPECT:
                 handle.state = READY
         if joined:
-            log.info("sampler joined", extra={"address": handle.address, "id": info.sampler_id})
+            log.info("sampler joined", extra={"address": handle.address, "id": info.sampler_id,
+                                              "restarted": bool(restarted)})
             self._on_join(handle)
 
     def refresh(self) -> None:
@@ -193,11 +275,16 @@ class SamplerPool:
         candidates = [(a, "static") for a in self._cfg.sampler_addresses]
         if self._cfg.sampler_dns:
             candidates += [(a, "dns") for a in resolve_dns(self._cfg.sampler_dns)]
+        now = time.monotonic()
         for address, source in candidates:
-            # A configured address that was dropped is tried again after a back-off (it may
-            # be restarted); registration (RegisterSampler) re-adds at once.
+            # A configured address that was dropped or refused is tried again after a
+            # back-off (it may be restarted, or replaced); registration re-adds at once.
             dropped = self._dropped.get(address)
-            if dropped is None or time.monotonic() - dropped > self._cfg.sampler_timeout_s:
+            refused = self._refused.get(address, (None,))[0]
+            if address in self._aliases:
+                continue
+            if all(t is None or now - t > self._cfg.sampler_timeout_s
+                   for t in (dropped, refused)):
                 self.add(address, source)
         for handle in self.all():
             self._probe(handle)

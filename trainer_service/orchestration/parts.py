@@ -14,6 +14,7 @@ from splitrl.config import Config
 from trainer_service.orchestration.audit import AuditLog
 from trainer_service.orchestration.data import PromptStream
 from trainer_service.orchestration.dispatcher import Dispatcher, sampling_params
+from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
 from trainer_service.orchestration.publisher import WeightPublisher
 from trainer_service.orchestration.queue import Lane, RolloutQueue
@@ -63,13 +64,15 @@ class LeaderParts:
 
 
 def build_leader_parts(cfg: Config, *, tokenizer, metadata: tuple, run_dir,
-                       sync_new_sampler: Callable[[SamplerHandle], None]) -> LeaderParts:
-    """``sync_new_sampler(handle)`` pushes the current weights to a sampler that just joined."""
+                       sync_new_sampler: Callable[[SamplerHandle], None],
+                       identity: ModelIdentity | None = None) -> LeaderParts:
+    """``sync_new_sampler(handle)`` pushes the current weights to a sampler that just joined;
+    ``identity`` is the model samplers must serve (others are refused)."""
     data = PromptStream.for_run(cfg, tokenizer=tokenizer)  # long prompts handled here
     queue = RolloutQueue(lanes(cfg))
     pool = SamplerPool(cfg.services,
                        max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
-                       on_join=sync_new_sampler)
+                       on_join=sync_new_sampler, identity=identity)
     dispatcher = Dispatcher(pool, queue, metadata=metadata)
     publisher = WeightPublisher(pool, metadata=metadata)
     return LeaderParts(data, queue, pool, dispatcher, publisher, AuditLog(run_dir))
