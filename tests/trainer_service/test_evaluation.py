@@ -52,4 +52,6 @@ def test_the_accuracy_line_names_where_a_resumed_run_started():
                           "eval_after/accuracy": 0.9, "step": 100.0}) == (
         "greedy accuracy on the evaluation prompts: 0.500 (resumed at step 50) -> 0.900 "
         "(step 100)")
+    assert accuracy_line({"eval_after/accuracy": 0.9, "step": 150.0}) == (
+        "greedy accuracy on the evaluation prompts: 0.900 (step 150)")  # a finished run re-run
     assert accuracy_line({"step": 3.0}) is None

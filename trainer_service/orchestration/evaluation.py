@@ -114,18 +114,13 @@ def eval_metrics(groups: list[RolloutGroup], accuracy_fn: str | None,
 
 
 def accuracy_line(summary: dict) -> str | None:
-    """"greedy accuracy: 0.30 -> 0.85" from a run's summary (a resumed run names the step it
-    started from), None when the run evaluated neither before nor after."""
+    """"greedy accuracy on the evaluation prompts: 0.300 -> 0.850 (step 150)" from a run's
+    summary (a resumed run names the step it started from); None without evaluations."""
     before, after = summary.get("eval_before/accuracy"), summary.get("eval_after/accuracy")
-    if before is None and after is None:
-        return None
-    text = "greedy accuracy on the evaluation prompts: "
-    if before is not None:
-        start = int(summary.get("eval_before/step", 0))
-        text += f"{before:.3f}" + (f" (resumed at step {start})" if start else "")
-    else:
-        text += "(not evaluated before)"
-    text += " -> " + (f"{after:.3f}" if after is not None else "(not evaluated after)")
-    if after is not None and "step" in summary:
-        text += f" (step {int(summary['step'])})"
-    return text
+    text = "greedy accuracy on the evaluation prompts"
+    step = f" (step {int(summary['step'])})" if "step" in summary else ""
+    if before is None:
+        return None if after is None else f"{text}: {after:.3f}{step}"
+    start = int(summary.get("eval_before/step", 0))
+    text += f": {before:.3f}" + (f" (resumed at step {start})" if start else "")
+    return text + (f" -> {after:.3f}{step}" if after is not None else " (not evaluated after)")
