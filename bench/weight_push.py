@@ -1,14 +1,20 @@
-"""Weight push throughput: trainer-side fsdp shards -> tensor-parallel samplers, over gRPC.
+"""Weight push throughput and fan-out: trainer fsdp shards -> tensor-parallel sampler processes.
 
-For a ~24M-parameter checkpoint (f32) and a ~500M-parameter synthetic model (bf16), this
-pushes the weights from this process (4 emulated devices, fsdp) to 1 and to 2 sampler
-processes (2 emulated devices each, tensor parallel) and prints MB/s beside a raw loopback TCP
-stream of the same number of bytes measured in the same run. For the small model it also
-measures the longest pause generation sees during a swap: Generate calls run back to back
-while pushes go on, and their longest latency is compared with the same calls without a push
-(and with the time the swap itself held the weights lock, reported by the sampler).
+For a ~24M-parameter checkpoint (f32) and a ~466M-parameter synthetic model (bf16), this process
+(4 emulated devices, fsdp) pushes the weights with the trainer's own publisher
+(``trainer_service.orchestration.publisher``, full pushes: deltas are measured by
+``bench/delta_push.py``) to 1, 2 and 4 sampler processes (2 emulated devices each, tensor
+parallel), and prints, beside a raw loopback TCP stream of the same bytes measured in the same
+run:
 
-    python bench/weight_push.py            # both sizes (several minutes, ~8 GB of memory)
+- ``ratio push/raw-TCP``: one sampler over the bulk data plane (and the gRPC ``PushWeights``
+  path for comparison);
+- wall time and trainer egress bytes for 1, 2 and 4 samplers (one relay chain), and
+  ``fan-out trainer egress 4/1``;
+- for the small model, the longest pause generation sees during a swap: Generate calls run back
+  to back while pushes go on, compared with the same calls without a push.
+
+    python bench/weight_push.py            # both sizes (several minutes, ~12 GB of memory)
     python bench/weight_push.py --quick    # the small model only
 """
 
@@ -32,15 +38,16 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from splitrl.config import MeshConfig  # noqa: E402
+from splitrl.config import MeshConfig, PushConfig, ServicesConfig  # noqa: E402
 from splitrl.mesh import build_mesh, param_shardings  # noqa: E402
 from splitrl.models import TransformerConfig, init_random, save_pretrained  # noqa: E402
-from splitrl.serving import make_channel  # noqa: E402
-from splitrl.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc  # noqa: E402
-from splitrl.wire import iter_push_messages, layouts_from_info  # noqa: E402
+from splitrl.v1 import common_pb2, sampler_pb2  # noqa: E402
+from trainer_service.orchestration.membership import SamplerPool  # noqa: E402
+from trainer_service.orchestration.publisher import WeightPublisher  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 4 * 1024 * 1024 - 64 * 1024
+SAMPLERS = (1, 2, 4)
 
 
 def model_config(size: str) -> TransformerConfig:
@@ -49,7 +56,7 @@ def model_config(size: str) -> TransformerConfig:
                                  intermediate_size=2048, num_layers=4, num_heads=8,
                                  num_kv_heads=4, head_dim=64, attention_bias=True,
                                  tie_word_embeddings=False, eos_token_id=1, pad_token_id=0)
-    # ~500M parameters
+    # ~466M parameters
     return TransformerConfig(family="qwen2", vocab_size=8192, hidden_size=1536,
                              intermediate_size=4096, num_layers=18, num_heads=12,
                              num_kv_heads=4, head_dim=128, attention_bias=True,
@@ -59,10 +66,11 @@ def model_config(size: str) -> TransformerConfig:
 def start_sampler(model_dir: Path, work: Path, index: int, dtype: str) -> tuple:
     cfg = {
         "model": {"path": str(model_dir), "dtype": dtype},
-        "sampler": {"max_batch_size": 16, "max_sequence_length": 64,
+        "sampler": {"max_batch_size": 16, "max_sequence_length": 64, "max_chunk_bytes": CHUNK,
                     "mesh": {"axes": {"tensor": 2}, "strategy": "tp"},
                     "register_with_trainer": False},
         "services": {"sampler_port": 0, "reward_address": ""},
+        "trainer": {"steps": 1_000_000},
     }
     path = work / f"sampler-{index}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -70,7 +78,7 @@ def start_sampler(model_dir: Path, work: Path, index: int, dtype: str) -> tuple:
                JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     log = (work / f"sampler-{index}.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "sampler_service", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+                            stdout=subprocess.PIPE, stderr=log, env=env, text=True, cwd=REPO)
     for line in proc.stdout:
         if line.startswith("{") and '"listening"' in line:
             return proc, f"127.0.0.1:{json.loads(line)['port']}"
@@ -109,13 +117,6 @@ def raw_tcp_mb_s(total_bytes: int) -> float:
     return total_bytes / (time.perf_counter() - start) / 1e6
 
 
-def push(stub, params, version, info) -> tuple[float, sampler_pb2.PushWeightsReply]:
-    start = time.perf_counter()
-    reply = stub.PushWeights(iter_push_messages(
-        params, version, max_chunk_bytes=CHUNK, target_shardings=layouts_from_info(info)))
-    return time.perf_counter() - start, reply
-
-
 def generate_latencies(stub, stop: threading.Event, out: list[float]) -> None:
     request = sampler_pb2.GenerateRequest(
         prompts=[common_pb2.Prompt(prompt_id="p", token_ids=[3, 4, 5, 6])],
@@ -132,7 +133,33 @@ def wait_for_calls(latencies: list[float], n: int, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> list[dict]:
+class Pusher:
+    """The trainer's publisher over a pool of the sampler processes (full pushes)."""
+
+    def __init__(self, addresses: list[str], transport: str):
+        services = ServicesConfig(sampler_addresses=addresses, sampler_timeout_s=600)
+        self.pool = SamplerPool(services, max_message_bytes=2 * CHUNK + (1 << 20))
+        self.pool.refresh()
+        by_address = {h.address: h for h in self.pool.all()}
+        self.handles = [by_address[a] for a in addresses]
+        self.publisher = WeightPublisher(
+            self.pool, push=PushConfig(transport=transport, delta=False, timeout_s=600))
+
+    def push(self, params, version: int, n: int) -> tuple[float, int, list]:
+        start = time.perf_counter()
+        results = self.publisher.push_all(params, version, handles=self.handles[:n])
+        seconds = time.perf_counter() - start
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"push failed: {failed}")
+        return seconds, sum(r.egress_bytes for r in results), results
+
+    def close(self) -> None:
+        self.publisher.close()
+        self.pool.stop()
+
+
+def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> dict:
     cfg = model_config(size)
     dtype = "float32" if size == "small" else "bfloat16"
     jdtype = jax.numpy.float32 if dtype == "float32" else jax.numpy.bfloat16
@@ -151,67 +178,86 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> list[
     del flat
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
     nbytes = sum(v.nbytes for v in params.values())
-    procs, stubs, infos = [], [], []
+    procs, addresses = [], []
+    out = {"size": size, "params_M": n_params / 1e6, "MB": nbytes / 1e6, "dtype": dtype}
     try:
-        for i in range(2):
+        for i in range(max(SAMPLERS)):
             proc, address = start_sampler(model_dir, work, i, dtype)
             procs.append(proc)
-            channel = make_channel(address, max_message_bytes=CHUNK + (1 << 20))
-            stub = sampler_pb2_grpc.SamplerStub(channel)
-            stubs.append(stub)
-            infos.append(stub.GetInfo(sampler_pb2.GetInfoRequest(), timeout=120))
-        rows = []
+            addresses.append(address)
+        bulk, grpc_ = Pusher(addresses, "bulk"), Pusher(addresses, "grpc")
         version = 1
-        for n in (1, 2):
-            times = []
+        tcp = []
+        out["bulk"] = {}
+        for n in SAMPLERS:
+            times, egress = [], []
             for _ in range(rounds):
-                threads, results = [], [None] * n
-                start = time.perf_counter()
-                for k in range(n):
-                    def run(k=k, v=version, results=results):
-                        results[k] = push(stubs[k], params, v, infos[k])
-                    threads.append(threading.Thread(target=run))
-                    threads[-1].start()
-                for t in threads:
-                    t.join()
-                times.append(time.perf_counter() - start)
+                tcp.append(raw_tcp_mb_s(nbytes))  # interleaved: the same load on both
+                seconds, sent, _ = bulk.push(params, version, n)
                 version += 1
-            best = min(times)
-            rows.append({"size": size, "params_M": n_params / 1e6, "MB": nbytes / 1e6,
-                         "samplers": n, "seconds": best,
-                         "MB_per_s": n * nbytes / best / 1e6,
-                         "swap_lock_ms": max(r[1].swap_seconds for r in results) * 1e3})
-        tcp = raw_tcp_mb_s(nbytes)
-        for row in rows:
-            row["raw_tcp_MB_per_s"] = tcp
-            row["ratio_vs_tcp"] = row["MB_per_s"] / tcp
+                times.append(seconds)
+                egress.append(sent)
+            out["bulk"][n] = {"seconds": min(times), "egress_MB": max(egress) / 1e6}
+        seconds, _, _ = grpc_.push(params, version, 1)
+        version += 1
+        out["grpc_seconds"] = seconds
+        out["raw_tcp_MB_per_s"] = max(tcp)
+        out["raw_tcp_MB_per_s_all"] = [round(t) for t in tcp]
+        one = out["bulk"][1]["seconds"]
+        out["push_MB_per_s"] = nbytes / one / 1e6
+        out["ratio"] = out["push_MB_per_s"] / out["raw_tcp_MB_per_s"]
+        out["grpc_ratio"] = nbytes / seconds / 1e6 / out["raw_tcp_MB_per_s"]
+        out["egress_4_over_1"] = out["bulk"][4]["egress_MB"] / out["bulk"][1]["egress_MB"]
         if measure_pause:
+            stub = bulk.handles[0].stub
             idle: list[float] = []
             stop = threading.Event()
-            t = threading.Thread(target=generate_latencies, args=(stubs[0], stop, idle))
+            t = threading.Thread(target=generate_latencies, args=(stub, stop, idle))
             t.start()
             wait_for_calls(idle, 30, timeout_s=300)
             stop.set()
             t.join()
             during: list[float] = []
             stop = threading.Event()
-            t = threading.Thread(target=generate_latencies, args=(stubs[0], stop, during))
+            t = threading.Thread(target=generate_latencies, args=(stub, stop, during))
             t.start()
             for _ in range(3):
-                push(stubs[0], params, version, infos[0])
+                bulk.push(params, version, 1)
                 version += 1
             stop.set()
             t.join()
             idle = idle[5:]  # the first calls compile the generation programs
-            rows[0]["generate_ms_idle_max"] = max(idle) * 1e3
-            rows[0]["generate_ms_idle_median"] = float(np.median(idle)) * 1e3
-            rows[0]["generate_ms_during_push_max"] = max(during) * 1e3
-        return rows
+            out["generate_ms_idle_max"] = max(idle) * 1e3
+            out["generate_ms_idle_median"] = float(np.median(idle)) * 1e3
+            out["generate_ms_during_push_max"] = max(during) * 1e3
+        bulk.close()
+        grpc_.close()
+        return out
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
+
+
+def report(row: dict) -> None:
+    size = row["size"]
+    print(f"\n[{size}] {row['params_M']:.0f}M parameters, {row['MB']:.0f} MB ({row['dtype']}); "
+          f"raw loopback TCP {row['raw_tcp_MB_per_s']:.0f} MB/s (best of "
+          f"{row['raw_tcp_MB_per_s_all']})")
+    print(f"{'samplers':>8} {'wall s':>8} {'MB/s per sampler':>17} {'egress MB':>10}")
+    for n, r in row["bulk"].items():
+        print(f"{n:>8} {r['seconds']:>8.3f} {row['MB'] / r['seconds']:>17.0f} "
+              f"{r['egress_MB']:>10.1f}")
+    print(f"[{size}] gRPC PushWeights, 1 sampler: {row['MB'] / row['grpc_seconds']:.0f} MB/s "
+          f"(ratio {row['grpc_ratio']:.2f})")
+    print(f"[{size}] ratio push/raw-TCP: {row['ratio']:.2f}")
+    print(f"[{size}] fan-out trainer egress 4/1: {row['egress_4_over_1']:.2f}")
+    if "generate_ms_during_push_max" in row:
+        print(f"[{size}] generation pause during swaps: longest Generate call "
+              f"{row['generate_ms_during_push_max']:.0f} ms while pushing vs "
+              f"{row['generate_ms_idle_max']:.0f} ms max / "
+              f"{row['generate_ms_idle_median']:.0f} ms median idle")
 
 
 def main() -> int:
@@ -222,22 +268,12 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rows += bench_size("small", work, args.rounds, measure_pause=True)
+        rows.append(bench_size("small", work, args.rounds, measure_pause=True))
         if not args.quick:
-            rows += bench_size("large", work, max(1, args.rounds - 1), measure_pause=False)
-    print()
-    print(f"{'model':>6} {'params':>8} {'MB':>8} {'samplers':>8} {'push MB/s':>10} "
-          f"{'raw TCP MB/s':>13} {'ratio':>6} {'swap lock ms':>13}")
-    for r in rows:
-        print(f"{r['size']:>6} {r['params_M']:>7.0f}M {r['MB']:>8.0f} {r['samplers']:>8} "
-              f"{r['MB_per_s']:>10.0f} {r['raw_tcp_MB_per_s']:>13.0f} "
-              f"{r['ratio_vs_tcp']:>6.2f} {r['swap_lock_ms']:>13.2f}")
-    small = rows[0]
-    print(f"\ngeneration pause during swaps (small model): longest Generate call "
-          f"{small['generate_ms_during_push_max']:.0f} ms while pushing vs "
-          f"{small['generate_ms_idle_max']:.0f} ms max / "
-          f"{small['generate_ms_idle_median']:.0f} ms median idle; the swap itself held the "
-          f"weights lock {small['swap_lock_ms']:.2f} ms")
+            rows.append(bench_size("large", work, max(1, args.rounds - 1), measure_pause=False))
+    print(f"\nload average: {os.getloadavg()}")
+    for row in rows:
+        report(row)
     print(json.dumps(rows))
     return 0
 

@@ -37,3 +37,6 @@ PUSH_BYTES = Counter("splitrl_sampler_push_bytes_total", "Weight bytes received 
 PUSHES = Counter("splitrl_sampler_pushes_total", "Weight pushes by outcome.", ["code"])
 REQUESTS = Counter("splitrl_sampler_requests_total", "RPCs by method and status.",
                    ["method", "code"])
+PUSH_RELAYED_BYTES = Counter(
+    "splitrl_sampler_push_relayed_bytes_total",
+    "Weight push bytes forwarded to the next sampler of a relay chain.")

@@ -1,4 +1,4 @@
-"""The sampler's gRPC server: GetInfo, PushWeights, Rollout, Generate.
+"""The sampler's gRPC server (GetInfo, PushWeights, Rollout, Generate) and its bulk data plane.
 
     serve(config) -> (Server, SamplerServicer)     start on services.host:services.sampler_port
     main(config)                                   serve until SIGTERM/SIGINT (``splitrl sampler``)
@@ -14,16 +14,24 @@ Every RPC needs the shared token when ``services.auth`` configures one (``splitr
 message limit is raised above ``sampler.max_chunk_bytes`` so an oversized chunk reaches the
 weight store and gets a RESOURCE_EXHAUSTED that names the limit. Shutdown marks the health
 service NOT_SERVING, lets in-flight calls finish (``sampler.shutdown_grace_s``) and exits.
+
+Weights arrive by either transport: ``PushWeights`` (gRPC), or the bulk data plane on
+``sampler.data_port`` (``sampler_service.intake``; advertised as ``GetInfo.data_address``),
+which the trainer prefers. Both apply the same checks through the same ``WeightStore``, and both
+give up on a sender that goes quiet for ``sampler.push_idle_timeout_s``. The sampler serves in
+``sampler.dtype`` (default ``model.dtype``): a trainer with float32 master weights sends bfloat16.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import socket
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -32,9 +40,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sampler_service import metrics
+from sampler_service.intake import BulkIntake, record_push
 from sampler_service.rollout import RequestError, RewardClient, RolloutWorker
 from sampler_service.weights import WeightStore
 from splitrl.config import Config
+from splitrl.dataplane.server import DataServer
 from splitrl.logs import configure_logging, set_context
 from splitrl.mesh import build_mesh
 from splitrl.metrics import start_metrics_server
@@ -60,6 +70,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.weights = weights
         self.worker = worker
         self.address = address
+        self.data_address = ""
         self.instance_id = uuid.uuid4().hex  # this process, whatever address reaches it
         metrics.WEIGHT_VERSION.set(weights.version)
 
@@ -87,33 +98,34 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             max_chunk_bytes=self.weights.max_chunk_bytes,
             address=self.address,
             instance_id=self.instance_id,
+            data_address=self.data_address,
+            weights_id=self.weights.weights_id,
         )
         metrics.REQUESTS.labels("GetInfo", "OK").inc()
         return info
 
     def PushWeights(self, request_iterator, context):
+        idle_s = self.config.sampler.push_idle_timeout_s
+
+        def sender_alive() -> bool:  # a push its sender gave up on is never applied
+            remaining = context.time_remaining()
+            return context.is_active() and (remaining is None or remaining > 0)
+
         try:
-            result = self.weights.apply_push(request_iterator)
+            result = self.weights.apply_push(_paced(request_iterator, idle_s),
+                                             sender_alive=sender_alive)
         except WireError as e:
-            metrics.PUSHES.labels(e.code.name).inc()
-            log.warning("weight push rejected", extra={"code": e.code.name, "reason": e.message,
-                                                       "weight_version": self.weights.version})
+            record_push(None, e.code, e.message, self.weights.version)
             context.abort(e.code, e.message)
         except Exception as e:  # a bug or a broken stream: say so, keep the old weights
             if not context.is_active():
-                metrics.PUSHES.labels("CANCELLED").inc()
-                log.warning("weight push cancelled by the sender", extra={"error": repr(e)})
+                record_push(None, grpc.StatusCode.CANCELLED, repr(e), self.weights.version)
                 raise
             metrics.PUSHES.labels("INTERNAL").inc()
             log.exception("weight push failed")
             context.abort(grpc.StatusCode.INTERNAL, f"weight push failed: {e!r}; the "
                           f"serving weights (version {self.weights.version}) are unchanged")
-        metrics.PUSHES.labels("OK").inc()
-        metrics.PUSH_SECONDS.observe(result.seconds)
-        metrics.PUSH_SWAP_SECONDS.observe(result.swap_seconds)
-        metrics.PUSH_BYTES.inc(result.bytes_received)
-        metrics.WEIGHT_VERSION.set(result.version)
-        set_context(weight_version=result.version)
+        record_push(result, grpc.StatusCode.OK)
         return sampler_pb2.PushWeightsReply(version=result.version,
                                             bytes_received=result.bytes_received,
                                             seconds=result.seconds,
@@ -147,6 +159,49 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             log.exception("rollout failed", extra={"request_id": request.request_id})
             context.abort(grpc.StatusCode.INTERNAL, f"rollout failed: {e!r}")
         metrics.REQUESTS.labels("Rollout", "OK").inc()
+
+
+def _paced(messages: Iterator, idle_s: float) -> Iterator:
+    """``messages`` (a request stream), ended by DEADLINE_EXCEEDED when the next message takes
+    longer than ``idle_s``: a sender that opens a push and goes quiet must not hold the push
+    lock. The stream is read on its own thread, so waiting on it can time out."""
+    inbox: queue.Queue = queue.Queue(maxsize=2)
+    done, stop = object(), threading.Event()
+
+    def pump() -> None:
+        try:
+            for message in messages:
+                while not stop.is_set():
+                    try:
+                        inbox.put(message, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            inbox.put(done)
+        except Exception as e:  # the stream broke (or did not decode): the handler says why
+            inbox.put(e)
+
+    threading.Thread(target=pump, name="push-stream", daemon=True).start()
+    count = 0
+    try:
+        while True:
+            try:
+                item = inbox.get(timeout=idle_s)
+            except queue.Empty:
+                raise WireError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no push message for {idle_s:g}s after message #{count} "
+                                "(sampler.push_idle_timeout_s); push abandoned, the serving "
+                                "weights are unchanged") from None
+            if item is done:
+                return
+            if isinstance(item, Exception):
+                raise item
+            count += 1
+            yield item
+    finally:
+        stop.set()
 
 
 def _load_tokenizer(path: str):
@@ -188,13 +243,16 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     from splitrl.models import from_pretrained
 
     sampler = config.sampler
-    dtype = jnp.bfloat16 if config.model.dtype == "bfloat16" else jnp.float32
+    serving_dtype = sampler.dtype or config.model.dtype
+    dtype = jnp.bfloat16 if serving_dtype == "bfloat16" else jnp.float32
     model = from_pretrained(config.model.path, dtype)
     graphdef, state = nnx.split(model)
     mesh = build_mesh(sampler.mesh)
     weights = WeightStore.from_state(model.config, state, mesh, strategy=sampler.mesh.strategy,
-                                     max_chunk_bytes=sampler.max_chunk_bytes)
+                                     max_chunk_bytes=sampler.max_chunk_bytes,
+                                     max_version=config.trainer.steps)
     del model, state
+    threading.Thread(target=weights.warm_up, name="warm-up", daemon=True).start()
     tokenizer = _load_tokenizer(config.model.path)
     pad = model_pad = weights.config.pad_token_id
     if model_pad is None and tokenizer is not None:
@@ -221,8 +279,18 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     servicer.address = f"{advertised_host(config)}:{server.port}"
     if not worker.sampler_id:
         worker.sampler_id = servicer.address
+    if sampler.data_port is not None:
+        intake = BulkIntake(weights, auth=config.services.auth,
+                            idle_timeout_s=sampler.push_idle_timeout_s,
+                            sampler_id=worker.sampler_id)
+        data = DataServer(f"{config.services.host}:{sampler.data_port}", intake.handle,
+                          auth=config.services.auth,
+                          idle_timeout_s=sampler.push_idle_timeout_s).start()
+        server.on_stop.append(lambda grace: data.stop(grace))
+        intake.data_address = servicer.data_address = f"{advertised_host(config)}:{data.port}"
     log.info("sampler ready", extra={
-        "address": servicer.address, "sampler_id": worker.sampler_id,
+        "address": servicer.address, "data_address": servicer.data_address,
+        "sampler_id": worker.sampler_id, "dtype": serving_dtype,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
         "fingerprint": weights.fingerprint, "weight_version": weights.version})

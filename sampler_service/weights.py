@@ -1,26 +1,38 @@
 """The sampler's weights: a versioned, double-buffered copy of the policy on the sampler's mesh.
 
-:class:`WeightStore` holds ``(version, nnx.State)`` behind a lock. Generation takes a
-:meth:`~WeightStore.snapshot` at the start of a batch and keeps those arrays for the whole
+:class:`WeightStore` holds ``(version, weights id, nnx.State)`` behind a lock. Generation takes
+a :meth:`~WeightStore.snapshot` at the start of a batch and keeps those arrays for the whole
 batch, so a push never changes weights under a running generation.
 
-A push (:meth:`WeightStore.apply_push`) is staged on the side:
+A push is a :class:`PushSession` (:meth:`WeightStore.begin_push`), whichever transport carries
+it (gRPC ``PushWeights`` through :meth:`WeightStore.apply_push`, or the bulk data plane):
 
-1. the header's version must be newer than the serving one (else FAILED_PRECONDITION), unless
-   ``header.reset`` is set (a trainer resumed from a checkpoint rolls samplers back);
+1. the header is checked first: the version must lie in [0, ``max_version``] (``trainer.steps``:
+   a trainer of this run makes at most one version per step) and be newer than the serving one
+   (else FAILED_PRECONDITION) unless ``header.reset`` (a trainer resumed from a checkpoint rolls
+   samplers back; always a full push); a delta push (``header.base_id``) must name the weights
+   this sampler serves;
 2. every chunk is verified by :class:`splitrl.wire.ChunkAssembler` (names, dtypes, shapes,
-   regions, offsets, duplicates, CRC-32) and assembled on the host one tensor at a time;
-3. as soon as a tensor is complete it is placed on the sampler's mesh with the sampler's own
-   ``NamedSharding`` (``jax.device_put``) and its host copy dropped, so host memory holds at
-   most the tensors still in flight, not a second copy of the model;
-4. once all tensors arrived (else INVALID_ARGUMENT naming the missing ones) and are on device,
-   the new state replaces the old one in one assignment under the lock.
+   regions, offsets, duplicates, CRC-32C; deltas decoded against the served bytes) and
+   assembled on the host one tensor at a time;
+3. the bytes are assembled per device shard of the sampler's own ``NamedSharding`` (in 64-byte
+   aligned host buffers, straight from the socket where the regions allow it); as soon as a
+   tensor is complete each shard goes to its device (``jax.device_put``: on CPU it aliases the
+   buffer, no copy) and a finiteness check of each shard is started on its device
+   (asynchronously: it runs while later tensors arrive). A tensor a delta left bitwise
+   unchanged keeps the served array;
+4. :meth:`PushSession.finish`: all tensors arrived (else INVALID_ARGUMENT naming the missing
+   ones), are on device, and are finite (else INVALID_ARGUMENT naming the tensors with NaN/Inf
+   and how many: a diverged trainer must not poison the samplers);
+5. :meth:`PushSession.swap`: if the sender is still there (``sender_alive``: connected, within
+   its deadline; else CANCELLED: a push its sender gave up on is never applied), the new state
+   replaces the old one in one assignment under the lock.
 
 Any failure discards the staging copy; the old weights keep serving. Pushes are serialised:
 a push that arrives while another is being received is refused at once with ABORTED (the
 message names the version in progress) rather than queued, because a trainer pushes to one
-sampler sequentially and a second concurrent pusher is a deployment error the operator should
-see; the caller may retry.
+sampler at a time and a second concurrent pusher is a deployment error the operator should
+see; the caller may retry. How long a push may sit idle is the transport's deadline.
 """
 
 from __future__ import annotations
@@ -28,11 +40,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -40,7 +53,7 @@ from jax.sharding import Mesh, NamedSharding
 from splitrl import wire
 from splitrl.mesh import param_shardings, spec_to_strings
 from splitrl.models import TransformerConfig, hf_from_state, state_from_hf
-from splitrl.v1 import sampler_pb2
+from splitrl.v1 import sampler_pb2, tensor_pb2
 from splitrl.wire import ChunkAssembler, WireError
 
 log = logging.getLogger(__name__)
@@ -49,10 +62,151 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class PushResult:
     version: int
-    bytes_received: int
+    bytes_received: int  # payload bytes on the wire
     chunks: int
     seconds: float
     swap_seconds: float
+    decoded_bytes: int = 0  # the weights' bytes (more than bytes_received for a delta)
+
+
+@jax.jit
+def _finite_shard(x: jax.Array) -> jax.Array:
+    """False iff ``x`` holds a NaN or an Inf: max(|x|) is NaN or Inf then (one read of x; ~3x
+    faster on XLA:CPU than counting them)."""
+    return jnp.isfinite(jnp.max(jnp.abs(x))) if x.size else jnp.bool_(True)
+
+
+def _finite(array: jax.Array) -> list[jax.Array]:
+    """:func:`_finite_shard` of every shard, each on the device that holds it (small programs
+    per device: no collective, which on XLA:CPU could wait forever on a generation program
+    holding the other devices)."""
+    return [_finite_shard(s.data) for s in array.addressable_shards if s.replica_id == 0]
+
+
+def _device_blocks(sharding: NamedSharding, shape) -> dict[jax.Device, wire.Bounds]:
+    return {device: tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True))
+            for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items()}
+
+
+def _count_nonfinite(array: jax.Array) -> int:
+    """For the error message only (a push that is refused anyway)."""
+    return sum(int(np.count_nonzero(~np.isfinite(np.asarray(s.data, np.float32))))
+               for s in array.addressable_shards if s.replica_id == 0)
+
+
+class PushSession:
+    """One push being received: verified, staged on the sampler's mesh, then swapped in.
+
+    Created by :meth:`WeightStore.begin_push` holding the store's push lock; :meth:`close`
+    (or leaving the ``with`` block) releases it and drops whatever was staged.
+    """
+
+    def __init__(self, store: WeightStore, header: sampler_pb2.PushHeader):
+        self.store = store
+        self.header = header
+        self.started = time.perf_counter()
+        served = hf_from_state(store._state) if header.base_id else {}
+        self._served = served
+        self.assembler = ChunkAssembler(
+            store.manifest, version=header.version, max_chunk_bytes=store.max_chunk_bytes,
+            tensor_count=header.tensor_count, total_bytes=header.total_bytes,
+            base=(lambda name: np.asarray(jax.device_get(served[name]))) if served else None,
+            blocks={n: sorted(set(b.values())) for n, b in store.device_blocks.items()})
+        self.staged: dict[str, jax.Array] = {}
+        self._finite: dict[str, list[jax.Array]] = {}
+        self._finished = False
+        self._closed = False
+
+    # -- chunks -----------------------------------------------------------------------------
+
+    def add(self, chunk: tensor_pb2.TensorChunk, payload=None) -> None:
+        """One chunk whose bytes are ``payload`` (default ``chunk.data``)."""
+        self._place(self.assembler.add(chunk, payload))
+
+    def reserve(self, chunk: tensor_pb2.TensorChunk, size: int) -> memoryview:
+        """Where to receive a RAW chunk's ``size`` bytes; then :meth:`commit`."""
+        return self.assembler.reserve(chunk, size)
+
+    def commit(self) -> None:
+        self._place(self.assembler.commit())
+
+    def _place(self, name: str | None) -> None:
+        if name is None:
+            return
+        if self.header.base_id and not self.assembler.modified(name):
+            self.assembler.pop(name)
+            self.staged[name] = self._served[name]  # bitwise equal: keep the served array
+            return
+        blocks = self.assembler.pop_blocks(name)
+        placement = self.store.device_blocks[name]
+        # One host block per device shard (64-byte aligned: XLA:CPU aliases it, no copy), all
+        # of a tensor's shards in one call (each call costs ~1 ms of Python in jax).
+        devices = list(placement)
+        shards = jax.device_put([blocks[placement[d]] for d in devices], devices)
+        array = jax.make_array_from_single_device_arrays(
+            self.store.manifest[name][1], self.store.shardings[name], shards)
+        self.staged[name] = array
+        if wire.dtype_name(array.dtype) in wire.FLOAT_DTYPES:
+            self._finite[name] = _finite(array)  # dispatched; read in finish()
+
+    # -- completion -------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Every tensor arrived, is on device and is finite; else :class:`WireError`."""
+        self.assembler.finish()
+        jax.block_until_ready(self.staged)
+        finite = jax.device_get(self._finite)
+        bad = sorted(n for n, flags in finite.items() if not all(bool(f) for f in flags))
+        if bad:
+            names = ", ".join(f"{n!r} ({_count_nonfinite(self.staged[n])} of "
+                              f"{self.staged[n].size} values)" for n in bad[:5])
+            more = f" ... (+{len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"push version {self.header.version} has non-finite values (NaN or "
+                            f"Inf) in {len(bad)} tensors: {names}{more}; not applied, version "
+                            f"{self.store.version} still serving")
+        self._finished = True
+
+    def swap(self, sender_alive: Callable[[], bool] = lambda: True) -> PushResult:
+        """Swap the staged weights in, unless the sender has gone (CANCELLED)."""
+        if not self._finished:
+            raise RuntimeError("swap() before finish()")
+        store, header = self.store, self.header
+        state = state_from_hf(store.config, self.staged)
+        swap_start = time.perf_counter()
+        with store._lock:
+            if not sender_alive():
+                raise WireError(grpc.StatusCode.CANCELLED,
+                                f"the sender of push version {header.version} went away (it "
+                                "cancelled, disconnected or passed its deadline) before the "
+                                f"swap; not applied, version {store._version} still serving")
+            store._version, store._state = header.version, state
+            store._weights_id = header.push_id
+            store._generation += 1
+        end = time.perf_counter()
+        result = PushResult(header.version, self.assembler.payload_bytes,
+                            self.assembler.chunks_received, end - self.started, end - swap_start,
+                            self.assembler.bytes_received)
+        log.info("weight push applied", extra={
+            "weight_version": result.version, "bytes": result.bytes_received,
+            "decoded_bytes": result.decoded_bytes, "chunks": result.chunks,
+            "delta": bool(header.base_id), "seconds": round(result.seconds, 4),
+            "swap_seconds": round(result.swap_seconds, 6)})
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.staged, self._finite, self._served = {}, {}, {}
+        self.store._pushing = None
+        self.store._push_lock.release()
+
+    def __enter__(self) -> PushSession:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class WeightStore:
@@ -67,18 +221,24 @@ class WeightStore:
         *,
         version: int = 0,
         max_chunk_bytes: int,
+        max_version: int | None = None,
     ):
         self.config = config
         self.mesh = mesh
         self.shardings = dict(shardings)
         self.max_chunk_bytes = max_chunk_bytes
+        self.max_version = max_version
         flat = hf_from_state(state)
         self.manifest = {n: (wire.dtype_name(a.dtype), tuple(a.shape)) for n, a in flat.items()}
+        # Which block of each tensor every device holds: a push is assembled in these.
+        self.device_blocks = {n: _device_blocks(self.shardings[n], a.shape)
+                              for n, a in flat.items()}
         self.fingerprint = wire.model_fingerprint(config.architecture, self.manifest)
         self._lock = threading.Lock()
         self._push_lock = threading.Lock()
         self._pushing: tuple[int, str] | None = None
         self._version = version
+        self._weights_id = ""  # the push_id of the served weights; "" = the checkpoint's
         self._state = state
         self._digests: tuple[int, dict[str, str]] | None = None
         self._generation = 0  # swaps so far
@@ -86,13 +246,13 @@ class WeightStore:
     @classmethod
     def from_state(cls, config: TransformerConfig, state: nnx.State, mesh: Mesh, *,
                    strategy: str | None = None, version: int = 0,
-                   max_chunk_bytes: int) -> WeightStore:
+                   max_chunk_bytes: int, max_version: int | None = None) -> WeightStore:
         """Place ``state`` on ``mesh`` with the partition rules' shardings for ``strategy``."""
         flat = hf_from_state(state)
         shardings = param_shardings(mesh, {n: a.shape for n, a in flat.items()}, strategy)
         placed = {n: jax.device_put(a, shardings[n]) for n, a in flat.items()}
         return cls(config, state_from_hf(config, placed), mesh, shardings, version=version,
-                   max_chunk_bytes=max_chunk_bytes)
+                   max_chunk_bytes=max_chunk_bytes, max_version=max_version)
 
     # -- serving side ---------------------------------------------------------------------------
 
@@ -100,6 +260,11 @@ class WeightStore:
     def version(self) -> int:
         with self._lock:
             return self._version
+
+    @property
+    def weights_id(self) -> str:
+        with self._lock:
+            return self._weights_id
 
     def snapshot(self) -> tuple[int, nnx.State]:
         """The serving ``(version, state)``; keep using it for a whole batch."""
@@ -143,14 +308,49 @@ class WeightStore:
         self._digests = (generation, out)
         return out
 
+    def warm_up(self) -> None:
+        """Compile the non-finite count for every served shape now, not in the first push."""
+        _, state = self.snapshot()
+        arrays = [a for a in hf_from_state(state).values()
+                  if wire.dtype_name(a.dtype) in wire.FLOAT_DTYPES]
+        jax.block_until_ready([_finite(a) for a in arrays])
+
     @property
     def push_in_progress(self) -> tuple[int, str] | None:
         return self._pushing
 
     # -- intake ---------------------------------------------------------------------------------
 
-    def apply_push(self, messages: Iterable[sampler_pb2.WeightPushMessage]) -> PushResult:
-        """Receive, verify, stage and swap in one push. Raises :class:`WireError`."""
+    def check_header(self, header: sampler_pb2.PushHeader) -> None:
+        """Raise :class:`WireError` unless ``header`` may be applied on top of what serves."""
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        if header.version < 0:
+            raise WireError(invalid, f"push version {header.version} is negative; versions "
+                            "count the trainer's updates from 0")
+        if self.max_version is not None and header.version > self.max_version:
+            raise WireError(invalid, f"push version {header.version} is beyond trainer.steps "
+                            f"{self.max_version}: a trainer of this run makes at most one "
+                            "weight version per step (is this sampler's config the trainer's?)")
+        if header.reset and header.base_id:
+            raise WireError(invalid, f"push version {header.version} is a reset and a delta "
+                            f"(base_id {header.base_id!r}); a reset must be a full push")
+        with self._lock:
+            current, weights_id = self._version, self._weights_id
+        if header.version <= current and not header.reset:
+            raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"push version {header.version} is not newer than the serving "
+                            f"version {current}; versions must increase (or set "
+                            "header.reset to roll back to a checkpoint's weights)")
+        if header.base_id and header.base_id != weights_id:
+            raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"delta push version {header.version} is against base "
+                            f"{header.base_id!r}, but the sampler serves "
+                            f"{weights_id or 'the checkpoint'!r} (version {current}); send a "
+                            "full push")
+
+    def begin_push(self, header: sampler_pb2.PushHeader) -> PushSession:
+        """Take the push lock (ABORTED if another push holds it), check ``header``, and return
+        the session that receives the push."""
         if not self._push_lock.acquire(blocking=False):
             busy = self._pushing
             what = f"version {busy[0]} from {busy[1] or 'an unnamed sender'}" if busy else "one"
@@ -158,59 +358,40 @@ class WeightStore:
                             f"another weight push ({what}) is in progress; pushes are applied "
                             "one at a time, retry when it finishes")
         try:
-            return self._receive(iter(messages))
-        finally:
+            self.check_header(header)
+            self._pushing = (header.version, header.sender)
+            log.info("weight push started", extra={
+                "push_version": header.version, "sender": header.sender,
+                "total_bytes": header.total_bytes, "delta": bool(header.base_id),
+                "reset": header.reset})
+            return PushSession(self, header)
+        except BaseException:
             self._pushing = None
             self._push_lock.release()
+            raise
 
-    def _receive(self, messages) -> PushResult:
-        start = time.perf_counter()
+    def apply_push(self, messages: Iterable[sampler_pb2.WeightPushMessage], *,
+                   sender_alive: Callable[[], bool] = lambda: True) -> PushResult:
+        """Receive, verify, stage and swap in one push given as ``WeightPushMessage``s (the
+        gRPC transport). Raises :class:`WireError`."""
+        messages = iter(messages)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
             got = "nothing" if first is None else f"a {first.WhichOneof('kind')}"
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"a push must start with a PushHeader, got {got}")
-        header = first.header
-        current = self.version
-        if header.version <= current and not header.reset:
-            raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"push version {header.version} is not newer than the serving "
-                            f"version {current}; versions must increase (or set "
-                            "header.reset to roll back to a checkpoint's weights)")
-        self._pushing = (header.version, header.sender)
-        log.info("weight push started", extra={"push_version": header.version,
-                                                "sender": header.sender,
-                                                "total_bytes": header.total_bytes})
-        assembler = ChunkAssembler(
-            self.manifest, version=header.version, max_chunk_bytes=self.max_chunk_bytes,
-            tensor_count=header.tensor_count, total_bytes=header.total_bytes)
-        staged: dict[str, jax.Array] = {}
-        for message in messages:
-            kind = message.WhichOneof("kind")
-            if kind != "chunk":
-                raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"message #{assembler.chunks_received + 1}: expected a "
-                                f"TensorChunk, got {kind or 'an empty message'}")
-            done = assembler.add(message.chunk)
-            if done is not None:
-                staged[done] = jax.device_put(assembler.pop(done), self.shardings[done])
-        assembler.finish()
-        state = state_from_hf(self.config, staged)
-        jax.block_until_ready(staged)
-        swap_start = time.perf_counter()
-        with self._lock:
-            if header.version <= self._version and not header.reset:  # defensive
-                raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"push version {header.version} is not newer than the serving "
-                                f"version {self._version}")
-            self._version, self._state = header.version, state
-            self._generation += 1
-        end = time.perf_counter()
-        result = PushResult(header.version, assembler.bytes_received, assembler.chunks_received,
-                            end - start, end - swap_start)
-        log.info("weight push applied", extra={"weight_version": result.version,
-                                                "bytes": result.bytes_received,
-                                                "chunks": result.chunks,
-                                                "seconds": round(result.seconds, 4),
-                                                "swap_seconds": round(result.swap_seconds, 6)})
-        return result
+        with self.begin_push(first.header) as session:
+            for message in messages:
+                kind = message.WhichOneof("kind")
+                if kind != "chunk":
+                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"message #{session.assembler.chunks_received + 1}: expected "
+                                    f"a TensorChunk, got {kind or 'an empty message'}")
+                if message.chunk.payload_bytes:
+                    raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"message #{session.assembler.chunks_received + 1}: "
+                                    "payload_bytes is for the bulk data plane; over gRPC the "
+                                    "bytes go in TensorChunk.data")
+                session.add(message.chunk)
+            session.finish()
+            return session.swap(sender_alive)

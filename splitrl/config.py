@@ -257,6 +257,24 @@ class DistributedConfig(Section):
                 )
 
 
+class PushConfig(Section):
+    """How the trainer sends its weights to the samplers (docs/weight-sync.md)."""
+
+    # "bulk": the data plane of every sampler that offers one (GetInfo.data_address), gRPC
+    # PushWeights for any other; "grpc": PushWeights only.
+    transport: Literal["bulk", "grpc"] = "bulk"
+    # Samplers with the same layout form one chain that relays the push, so the trainer sends
+    # each byte once however many samplers there are (bulk transport).
+    relay: bool = True
+    # Send only the elements that changed since the version a sampler holds, chunk by chunk
+    # when that is smaller (bulk transport; the trainer keeps a host copy of the last push).
+    delta: bool = True
+    # One push, from the first byte to the last sampler's final report.
+    timeout_s: PositiveFloat = 300.0
+    # A data-plane peer that says nothing for this long has failed.
+    idle_timeout_s: PositiveFloat = 30.0
+
+
 class TrainerConfig(Section):
     steps: NonNegativeInt = 100
     prompts_per_step: PositiveInt = 16
@@ -291,6 +309,7 @@ class TrainerConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    push: PushConfig = Field(default_factory=PushConfig)
 
     def model_post_init(self, _context) -> None:
         if self.push_every > self.max_staleness + 1:
@@ -322,6 +341,20 @@ class SamplerConfig(Section):
     # Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
     # Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up.
     register_with_trainer: bool = True
+    # The dtype the sampler serves (None: model.dtype). "bfloat16" with float32 training: the
+    # trainer keeps float32 master weights and sends bfloat16 (half the bytes).
+    dtype: Literal["float32", "bfloat16"] | None = None
+    # The bulk weight data plane (docs/weight-sync.md): its TCP port on services.host (0: any
+    # free port; advertised in GetInfo), or None for gRPC PushWeights only.
+    data_port: NonNegativeInt | None = 0
+    # A push (either transport) that sends nothing for this long is abandoned, releasing the
+    # push lock; a relay declares its next sampler gone after this long without a word.
+    push_idle_timeout_s: PositiveFloat = 30.0
+
+    def model_post_init(self, _context) -> None:
+        if self.data_port is not None and self.data_port > 65535:
+            raise ConfigError(f"sampler.data_port: expected a TCP port <= 65535, got "
+                              f"{self.data_port}")
 
 
 class AuthConfig(Section):

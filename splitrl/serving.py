@@ -21,7 +21,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -196,6 +196,8 @@ class Server:
     address: str
     health: health.HealthServicer
     service_names: list[str]
+    # Called with the grace period when the server stops (e.g. a side channel to close too).
+    on_stop: list[Callable[[float | None], None]] = field(default_factory=list)
 
     def set_serving(self, serving: bool) -> None:
         status = (
@@ -210,6 +212,8 @@ class Server:
         """Stop taking new calls, let in-flight calls finish (up to ``grace_s``), then exit."""
         self.set_serving(False)
         self.grpc_server.stop(grace_s).wait()
+        for hook in self.on_stop:
+            hook(grace_s)
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()

@@ -57,6 +57,7 @@ from trainer_service.orchestration.evaluation import (
 from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.membership import SamplerHandle
 from trainer_service.orchestration.parts import build_leader_parts
+from trainer_service.orchestration.publisher import PushInFlight, PushResult
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
 from trainer_service.orchestration.rollouts import (
     EVAL,
@@ -118,6 +119,7 @@ class TrainerRun:
         self.step = 0
         self.drawn = 0  # prompts drawn from the data so far: every work item's seq and uid
         self._params_lock = threading.Lock()
+        self._push_in_flight: PushInFlight | None = None
         if self.hosts.is_leader:
             self.tokenizer = load_tokenizer(cfg.model.path)
             self.pad_id = self.tokenizer.pad_token_id or 0
@@ -226,14 +228,22 @@ class TrainerRun:
         due = self.step % tcfg.push_every == 0 or self.step == tcfg.steps
         if not due or self.version == self._pushed_version:
             return {}
-        results = self.publisher.push_all(self._params_for_push(), self.version)
+        # With max_staleness >= 1 the push goes in the background (samplers serve the old
+        # version until their swap; the next update does not wait), one push at a time.
+        waited = time.monotonic()
+        results = self._finish_push()
+        if tcfg.max_staleness >= 1:
+            self._push_in_flight = self.publisher.push_all_async(self._params_for_push(),
+                                                                 self.version)
+        else:
+            results = self.publisher.push_all(self._params_for_push(), self.version)
         self._pushed_version = self.version
-        pushed = [r for r in results if r.ok]
-        return {
-            "push/seconds": max((r.seconds for r in pushed), default=0.0),
-            "push/mb": sum(r.bytes for r in pushed) / 2**20,
-            "push/failed": float(len(results) - len(pushed)),
-        }
+        return {"time/push_wait_s": time.monotonic() - waited, **_push_metrics(results)}
+
+    def _finish_push(self) -> list[PushResult] | None:
+        """Wait for the push in the background, if any; its results."""
+        in_flight, self._push_in_flight = self._push_in_flight, None
+        return in_flight.wait() if in_flight is not None else None
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -503,11 +513,28 @@ class TrainerRun:
 
     def close(self) -> None:
         if self.hosts.is_leader:
+            self._finish_push()
             self.hosts.stop(failed=self.status.state == "failed")  # release the followers
             self.parts.close()
             self.metrics_file.close()
             self.trackers.close()
         self.checkpointer.close()
+
+
+def _push_metrics(results: list[PushResult] | None) -> dict[str, float]:
+    """A finished push in numbers (nothing when none finished): its own time, the bytes the
+    samplers received, what full pushes would have carried, what the trainer sent."""
+    if results is None:
+        return {}
+    pushed = [r for r in results if r.ok]
+    return {
+        "push/seconds": max((r.seconds for r in pushed), default=0.0),
+        "push/mb": sum(r.bytes for r in pushed) / 2**20,
+        "push/full_mb": sum(r.full_bytes for r in pushed) / 2**20,
+        "push/egress_mb": sum(r.egress_bytes for r in results) / 2**20,
+        "push/delta": float(sum(r.delta for r in pushed)),
+        "push/failed": float(len(results) - len(pushed)),
+    }
 
 
 _LOGGED = {

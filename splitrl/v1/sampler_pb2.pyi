@@ -41,7 +41,7 @@ class MeshInfo(_message.Message):
     def __init__(self, axis_names: _Optional[_Iterable[str]] = ..., axis_sizes: _Optional[_Iterable[int]] = ..., device_count: _Optional[int] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class SamplerInfo(_message.Message):
-    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address", "instance_id")
+    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address", "instance_id", "data_address", "weights_id")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class SamplerInfo(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     model_fingerprint: str
     architecture: str
@@ -66,21 +68,27 @@ class SamplerInfo(_message.Message):
     max_chunk_bytes: int
     address: str
     instance_id: str
-    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    data_address: str
+    weights_id: str
+    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., data_address: _Optional[str] = ..., weights_id: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("version", "tensor_count", "total_bytes", "sender", "reset")
+    __slots__ = ("version", "tensor_count", "total_bytes", "sender", "reset", "push_id", "base_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensor_count: int
     total_bytes: int
     sender: str
     reset: bool
-    def __init__(self, version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sender: _Optional[str] = ..., reset: _Optional[bool] = ...) -> None: ...
+    push_id: str
+    base_id: str
+    def __init__(self, version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sender: _Optional[str] = ..., reset: _Optional[bool] = ..., push_id: _Optional[str] = ..., base_id: _Optional[str] = ...) -> None: ...
 
 class WeightPushMessage(_message.Message):
     __slots__ = ("header", "chunk")

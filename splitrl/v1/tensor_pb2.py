@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17splitrl/v1/tensor.proto\x12\nsplitrl.v1\"\xa6\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0cregion_start\x18\x04 \x03(\x03\x12\x14\n\x0cregion_shape\x18\x05 \x03(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17splitrl/v1/tensor.proto\x12\nsplitrl.v1\"\xae\x02\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0cregion_start\x18\x04 \x03(\x03\x12\x14\n\x0cregion_shape\x18\x05 \x03(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x08 \x01(\r\x12\x0f\n\x07version\x18\t \x01(\x03\x12\x32\n\x08\x65ncoding\x18\n \x01(\x0e\x32 .splitrl.v1.TensorChunk.Encoding\x12\x0e\n\x06length\x18\x0b \x01(\x03\x12\x15\n\rpayload_bytes\x18\x0c \x01(\x03\"+\n\x08\x45ncoding\x12\x07\n\x03RAW\x10\x00\x12\n\n\x06SPARSE\x10\x01\x12\n\n\x06\x42ITMAP\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitrl.v1.tensor_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORCHUNK']._serialized_start=40
-  _globals['_TENSORCHUNK']._serialized_end=206
+  _globals['_TENSORCHUNK']._serialized_end=342
+  _globals['_TENSORCHUNK_ENCODING']._serialized_start=299
+  _globals['_TENSORCHUNK_ENCODING']._serialized_end=342
 # @@protoc_insertion_point(module_scope)

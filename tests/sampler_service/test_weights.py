@@ -146,3 +146,97 @@ def test_param_infos_report_partitions_and_digests(store):
     assert all(i.digest.startswith("sha256:") for i in infos)
     assert isinstance(infos[0], sampler_pb2.ParamInfo)
     assert all(len(i.partition) == len(i.shape) for i in infos)
+
+
+@pytest.fixture()
+def bounded(config, initial_state):
+    """A store whose trainer makes at most 10 versions (trainer.steps = 10)."""
+    mesh = jax.make_mesh((1,), ("tensor",))
+    return WeightStore.from_state(config, initial_state, mesh, strategy="tp",
+                                  max_chunk_bytes=MAX_CHUNK, max_version=10)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_weights_are_refused_naming_the_tensor(store, config, bad):
+    params = _new_params(config)
+    name = "model.layers.1.mlp.down_proj.weight"
+    params[name].reshape(-1)[[3, 7]] = bad
+    msg = _rejected(store, _messages(params, 1), grpc.StatusCode.INVALID_ARGUMENT)
+    assert "non-finite" in msg and f"'{name}' (2 of {params[name].size} values)" in msg
+    assert "version 0 still serving" in msg
+
+
+@pytest.mark.parametrize(("version", "reset", "fragment"), [
+    (-1, False, "push version -1 is negative"),
+    (-3, True, "push version -3 is negative"),
+    (2**63 - 1, False, "beyond trainer.steps 10"),
+    (11, True, "beyond trainer.steps 10"),
+])
+def test_versions_outside_what_the_trainer_can_have_made_are_refused(
+        bounded, config, version, reset, fragment):
+    msg = _rejected(bounded, _messages(_new_params(config), version, reset=reset),
+                    grpc.StatusCode.INVALID_ARGUMENT)
+    assert fragment in msg
+    assert bounded.apply_push(iter(_messages(_new_params(config), 10))).version == 10
+
+
+def test_a_push_whose_sender_has_gone_is_never_applied(store, config):
+    params = _new_params(config)
+    msg = _rejected(store, [], grpc.StatusCode.INVALID_ARGUMENT)  # (nothing: not even a header)
+    assert "must start with a PushHeader" in msg
+    with pytest.raises(WireError) as info:
+        store.apply_push(iter(_messages(params, 1)), sender_alive=lambda: False)
+    assert info.value.code == grpc.StatusCode.CANCELLED and "went away" in info.value.message
+    assert store.version == 0 and store.push_in_progress is None
+    assert store.apply_push(iter(_messages(params, 1))).version == 1  # the lock was released
+
+
+def _delta(store, params, version, base):
+    """A delta push of ``params`` against ``base`` (the params the store serves)."""
+    header = wire.push_header(params, version, push_id=f"v{version}",
+                              base_id=store.weights_id)
+    blocks = {(n, tuple((0, d) for d in a.shape)): a for n, a in base.items()}
+    frames = wire.iter_push_frames(params, version, max_chunk_bytes=MAX_CHUNK,
+                                   base=lambda n, b: blocks.get((n, b)))
+    with store.begin_push(header) as session:
+        for chunk, payload in frames:
+            session.add(chunk, payload)
+        session.finish()
+        return session, session.swap()
+
+
+def test_deltas_rebuild_the_senders_bytes_and_keep_unchanged_arrays(store, config):
+    first = _new_params(config)
+    header = wire.push_header(first, 1, push_id="v1")
+    with store.begin_push(header) as session:
+        for chunk, payload in wire.iter_push_frames(first, 1, max_chunk_bytes=MAX_CHUNK):
+            session.add(chunk, payload)
+        session.finish()
+        session.swap()
+    assert store.weights_id == "v1"
+    _, before = store.snapshot()
+    second = {n: a.copy() for n, a in first.items()}
+    changed = "model.layers.0.mlp.up_proj.weight"
+    second[changed].reshape(-1)[::50] += 1
+    _, result = _delta(store, second, 2, first)
+    assert result.bytes_received < result.decoded_bytes / 10
+    assert store.digests() == {n: wire.array_digest(a) for n, a in second.items()}
+    assert store.weights_id == "v2"
+    _, after = store.snapshot()
+    old, new = hf_from_state(before), hf_from_state(after)
+    assert new["model.norm.weight"] is old["model.norm.weight"]  # bitwise the same: kept
+    assert new[changed] is not old[changed]
+
+
+def test_a_delta_must_name_the_served_weights_and_a_reset_is_never_a_delta(store, config):
+    params = _new_params(config)
+    header = wire.push_header(params, 1, push_id="v1", base_id="someone-else")
+    with pytest.raises(WireError) as info:
+        store.begin_push(header)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "against base 'someone-else'" in info.value.message and "full push" in info.value.message
+    header = wire.push_header(params, 1, push_id="v1", base_id="", reset=True)
+    header.base_id = "x"
+    with pytest.raises(WireError, match="a reset must be a full push"):
+        store.begin_push(header)
+    assert store.push_in_progress is None

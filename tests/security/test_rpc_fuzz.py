@@ -52,8 +52,9 @@ def _prompt(**kw) -> common_pb2.Prompt:
 
 
 # One valid request per RPC, as the services' real clients send them: the start of the "fields"
-# and "bytes" batches. The weight push is built per batch (a reset to a version past the
-# sampler's). After each batch, AFTER_BATCH's request to that server must succeed.
+# and "bytes" batches. The weight push is built per batch (a reset to version 1: the run's
+# trainer.steps bounds the versions a sampler accepts). After each batch, AFTER_BATCH's request
+# to that server must succeed.
 VALID = {
     "splitrl.v1.Sampler/GetInfo": sampler_pb2.GetInfoRequest(include_digests=True),
     "splitrl.v1.Sampler/Rollout": sampler_pb2.RolloutRequest(
@@ -90,9 +91,8 @@ class WeightPush:
                        for p in self.info.params}
 
     def messages(self) -> list[sampler_pb2.WeightPushMessage]:
-        version = self.stub.GetInfo(sampler_pb2.GetInfoRequest(), timeout=30).weight_version
         return list(wire.iter_push_messages(
-            self.params, version + 1, max_chunk_bytes=self.info.max_chunk_bytes,
+            self.params, 1, max_chunk_bytes=self.info.max_chunk_bytes,
             target_shardings=wire.layouts_from_info(self.info), sender="fuzz", reset=True))
 
 

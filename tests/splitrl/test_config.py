@@ -153,3 +153,19 @@ def test_the_json_schema_describes_every_section(capsys):
     assert schema["$defs"]["OptimizerConfig"]["properties"]["lr"]["exclusiveMinimum"] == 0
     assert set(schema["properties"]) == {"run_name", "model", "sampling", "reward", "algorithm",
                                          "trainer", "sampler", "services"}
+
+
+def test_weight_sync_keys_are_typed_and_checked():
+    cfg = load_config(None, ["sampler.dtype=bfloat16", "sampler.data_port=null",
+                             "trainer.push.transport=grpc", "trainer.push.delta=false"])
+    assert cfg.sampler.dtype == "bfloat16" and cfg.sampler.data_port is None
+    assert cfg.trainer.push.transport == "grpc" and not cfg.trainer.push.delta
+    assert load_config(None, []).trainer.push.transport == "bulk"
+    with pytest.raises(ConfigError, match=r"sampler\.data_port: expected a TCP port <= 65535"):
+        load_config(None, ["sampler.data_port=70000"])
+    with pytest.raises(ConfigError, match=r"sampler\.push_idle_timeout_s: expected a value > 0"):
+        load_config(None, ["sampler.push_idle_timeout_s=0"])
+    with pytest.raises(ConfigError, match=r"trainer\.push\.transport"):
+        load_config(None, ["trainer.push.transport=carrier-pigeon"])
+    with pytest.raises(ConfigError, match=r"sampler\.dtype"):
+        load_config(None, ["sampler.dtype=float16"])

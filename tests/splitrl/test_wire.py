@@ -58,7 +58,7 @@ def test_whole_tensors_round_trip_bitwise_in_bounded_checksummed_chunks():
     header, chunks = _chunks(params)
     assert header.tensor_count == 5
     assert header.total_bytes == sum(a.nbytes for a in params.values())
-    assert all(len(c.data) <= 40 and c.checksum == wire.crc32(c.data) for c in chunks)
+    assert all(len(c.data) <= 40 and c.checksum == wire.checksum(c.data) for c in chunks)
     assert all(not c.region_shape for c in chunks)
     out = _feed(_assembler(params, header), chunks)
     for name, array in params.items():
@@ -201,3 +201,214 @@ def test_fingerprint_depends_on_names_shapes_and_dtypes():
     changed = dict(manifest, **{"a.weight": ("float32", (6, 8))})
     assert wire.model_fingerprint("Qwen2ForCausalLM", changed) != base
     assert wire.model_fingerprint("LlamaForCausalLM", manifest) != base
+
+
+# -- receiver blocks: bytes land in place -------------------------------------------------------
+
+
+def _blocks(shape, per_dim):
+    """The bounds of an even split of ``shape`` into ``per_dim`` blocks along each dim."""
+    import itertools
+
+    axes = [[(i * n // k, (i + 1) * n // k) for i in range(k)] for n, k in zip(shape, per_dim,
+                                                                              strict=True)]
+    return [tuple(b) for b in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize(("sender", "receiver"), [
+    (("fsdp", ""), ("tensor", "")),   # rows inside row blocks: one run per region
+    (("", "fsdp"), ("", "tensor")),   # column shards inside column blocks: a run per row
+    (("fsdp", ""), ("", "tensor")),   # row shards across column blocks
+    (("", ""), ("tensor", "tensor2")),
+])
+def test_regions_are_received_in_place_in_the_receivers_blocks(sender, receiver):
+    w = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    axes = (("fsdp", 4), ("tensor", 2), ("tensor2", 3))
+    target = TargetLayout(receiver, axes)
+    blocks = _blocks(w.shape, target.blocks_per_dim(w.shape))
+    # The sender's own shards as host blocks: the regions are cut from them.
+    sender_layout = TargetLayout(sender, axes)
+    regions = []
+    for block in _blocks(w.shape, sender_layout.blocks_per_dim(w.shape)):
+        for region in wire.plan_regions(block, w.shape, target):
+            regions.append(region)
+    chunks = []
+    for region in regions:
+        data = w[tuple(slice(a, b) for a, b in region)]
+        chunks += list(wire.iter_region_chunks("w", data, shape=w.shape, version=1,
+                                               max_chunk_bytes=20,
+                                               region_start=[a for a, _ in region]))
+    assembler = ChunkAssembler({"w": ("float32", w.shape)}, version=1, max_chunk_bytes=20,
+                               blocks={"w": blocks})
+    done = [assembler.add(c) for c in chunks]
+    assert done[-1] == "w" and done.count("w") == 1
+    parts = assembler.pop_blocks("w")
+    assert sorted(parts) == sorted(blocks)
+    for bounds, array in parts.items():
+        assert array.ctypes.data % 64 == 0  # XLA:CPU can alias it
+        _assert_bitwise_equal(array, w[tuple(slice(a, b) for a, b in bounds)])
+
+
+def test_reserve_receives_in_place_when_contiguous_else_in_scratch_copied_on_commit():
+    w = np.arange(4 * 6, dtype=np.int32).reshape(4, 6)
+    assembler = ChunkAssembler({"w": ("int32", (4, 6))}, version=1, max_chunk_bytes=64)
+    rows = next(wire.iter_region_chunks("w", w[:2], shape=(4, 6), version=1,
+                                        max_chunk_bytes=64, region_start=(0, 0)))
+    view = assembler.reserve(rows, len(rows.data))  # two whole rows: their own place
+    view[:] = rows.data
+    assert assembler.commit() is None
+    right = next(wire.iter_region_chunks("w", w[2:, 3:], shape=(4, 6), version=1,
+                                         max_chunk_bytes=64, region_start=(2, 3)))
+    scratch = assembler.reserve(right, len(right.data))  # half rows: not one run
+    scratch[:] = right.data
+    assert assembler.commit() is None
+    left = next(wire.iter_region_chunks("w", w[2:, :3], shape=(4, 6), version=1,
+                                        max_chunk_bytes=64, region_start=(2, 0)))
+    assert assembler.add(left) == "w"
+    _assert_bitwise_equal(assembler.pop("w"), w)
+
+
+def test_strided_writes_cover_partial_first_and_last_runs():
+    w = np.arange(12 * 10, dtype=np.float32).reshape(12, 10)
+    # Column region [2, 7) of every row, in chunks that start and end mid-row.
+    chunks = list(wire.iter_region_chunks("w", w[:, 2:7], shape=w.shape, version=1,
+                                          max_chunk_bytes=28, region_start=(0, 2)))
+    chunks += list(wire.iter_region_chunks("w", w[:, :2], shape=w.shape, version=1,
+                                           max_chunk_bytes=28, region_start=(0, 0)))
+    chunks += list(wire.iter_region_chunks("w", w[:, 7:], shape=w.shape, version=1,
+                                           max_chunk_bytes=28, region_start=(0, 7)))
+    assembler = ChunkAssembler({"w": ("float32", w.shape)}, version=1, max_chunk_bytes=28)
+    assert [assembler.add(c) for c in chunks][-1] == "w"
+    _assert_bitwise_equal(assembler.pop("w"), w)
+
+
+# -- deltas -------------------------------------------------------------------------------------
+
+
+def _changed(params, fraction, seed=1):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, a in params.items():
+        b = a.copy()
+        flat = b.reshape(-1)
+        picks = rng.random(flat.size) < fraction
+        if flat.dtype.kind == "f":
+            flat[picks] = (flat[picks].astype(np.float32) + 1).astype(flat.dtype)
+        elif flat.dtype.kind in "iu":
+            flat[picks] += 1
+        out[name] = b
+    return out
+
+
+def _delta_chunks(new, old, max_chunk_bytes=64):
+    base = {(n, tuple((0, d) for d in a.shape)): a for n, a in old.items()}
+    frames = wire.iter_push_frames(new, 2, max_chunk_bytes=max_chunk_bytes,
+                                   base=lambda n, b: base.get((n, b)))
+    return [(chunk, bytes(payload)) for chunk, payload in frames]
+
+
+def test_a_delta_carries_only_the_changed_elements_and_rebuilds_the_new_bytes():
+    old = _params()
+    new = _changed(old, 0.05)
+    frames = _delta_chunks(new, old)
+    sparse = [c for c, _ in frames if c.encoding == c.SPARSE]
+    assert sparse and all(c.length > 0 for c in sparse)
+    sent = sum(len(p) for _, p in frames)
+    assert sent < 0.5 * sum(a.nbytes for a in new.values())
+    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=64,
+                               base=lambda n: old[n])
+    for chunk, payload in frames:
+        if (done := assembler.add(chunk, payload)) is not None:
+            _assert_bitwise_equal(assembler.pop(done), new[done])
+    assembler.finish()
+    assert assembler.payload_bytes == sent
+    assert assembler.bytes_received == sum(a.nbytes for a in new.values())
+
+
+def test_a_chunk_that_changed_too_much_goes_raw_and_an_unchanged_tensor_is_reported():
+    old = {"a": np.zeros(16, np.float32), "b": np.ones(16, np.float32)}
+    new = {"a": np.arange(1, 17, dtype=np.float32), "b": old["b"].copy()}
+    frames = _delta_chunks(new, old)
+    assert {c.encoding for c, _ in frames if c.name == "a"} == {0}  # RAW: all changed
+    assert {c.encoding for c, _ in frames if c.name == "b"} == {1}  # no change: SPARSE, empty
+    assert all(len(p) == 0 for c, p in frames if c.name == "b")
+    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=64,
+                               base=lambda n: old[n])
+    for chunk, payload in frames:
+        assembler.add(chunk, payload)
+    assert assembler.modified("a") and not assembler.modified("b")
+
+
+def test_a_delta_against_the_wrong_base_is_data_loss_and_a_delta_needs_a_base():
+    old = _params()
+    new = _changed(old, 0.05)
+    frames = _delta_chunks(new, old)
+    other = _changed(old, 0.05, seed=7)
+    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=64,
+                               base=lambda n: other[n])
+    with pytest.raises(WireError) as info:
+        for chunk, payload in frames:
+            assembler.add(chunk, payload)
+    assert info.value.code == grpc.StatusCode.DATA_LOSS
+    assert "does not turn the sampler's base" in info.value.message
+
+    full = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=64)
+    chunk, payload = next((c, p) for c, p in frames if c.encoding == c.SPARSE)
+    with pytest.raises(WireError, match="SPARSE chunk in a full push"):
+        full.add(chunk, payload)
+
+
+@pytest.mark.parametrize(("mangle", "fragment"), [
+    (lambda p: p[:-1], "not a whole number"),
+    (lambda p: np.array([9, 3], "<u4").tobytes() + p[8:16], "must ascend strictly"),
+    (lambda p: np.array([0, 999], "<u4").tobytes() + p[8:16], "must ascend strictly"),
+])
+def test_malformed_sparse_payloads_are_invalid_argument(mangle, fragment):
+    old = {"w": np.zeros(256, np.float32)}
+    new = {"w": old["w"].copy()}
+    new["w"][[2, 5]] = 1.0
+    (chunk, payload), = _delta_chunks(new, old, max_chunk_bytes=1024)
+    assert chunk.encoding == chunk.SPARSE and len(payload) == 16
+    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=1024,
+                               base=lambda n: old[n])
+    with pytest.raises(WireError) as info:
+        assembler.add(chunk, mangle(payload))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in info.value.message and "'w'" in info.value.message
+
+
+def test_sparse_encoding_compares_bits_not_values():
+    base = np.array([0.0, np.nan, 1.0, 2.0], np.float32)
+    new = np.array([-0.0, np.nan, 1.0, 2.0], np.float32)
+    payload = wire.sparse_encode(new.view(np.uint8), base.view(np.uint8), 4)
+    assert payload is not None
+    out = base.copy()
+    assert wire.sparse_apply(out.view(np.uint8), payload, 4) == 1
+    assert out.tobytes() == new.tobytes()
+
+
+def test_the_sender_picks_the_smallest_delta_encoding_per_chunk():
+    base = np.zeros(4096, ml_dtypes.bfloat16)
+    few, many = base.copy(), base.copy()
+    few[[5, 900]] = 1.0  # 2 of 4096: indices are cheaper than a bitmap
+    many[::3] = 1.0  # a third: a bitmap is cheaper than indices, values still beat raw
+    raw = base.view(np.uint8)
+    for new, encoding, size in [(few, wire.SPARSE, 2 * 6), (many, wire.BITMAP, 512 + 1366 * 2)]:
+        got, payload = wire.delta_encode(new.view(np.uint8), raw, 2)
+        assert (got, len(payload)) == (encoding, size)
+        out = raw.copy()
+        assert wire.delta_apply(out, payload, 2, got) == np.count_nonzero(new != base)
+        assert out.tobytes() == new.tobytes()
+    assert wire.delta_encode(np.ones(4096, ml_dtypes.bfloat16).view(np.uint8), raw, 2) is None
+
+
+def test_a_malformed_bitmap_payload_is_invalid_argument():
+    old = {"w": np.zeros(64, np.float32)}
+    new = {"w": old["w"].copy()}
+    new["w"][::2] = 1.0
+    (chunk, payload), = _delta_chunks(new, old, max_chunk_bytes=256)
+    assert chunk.encoding == wire.BITMAP
+    assembler = ChunkAssembler(_manifest(new), version=2, max_chunk_bytes=256,
+                               base=lambda n: old[n])
+    with pytest.raises(WireError, match="a BITMAP payload with 32 changes must be 136 bytes"):
+        assembler.add(chunk, payload[:-4])

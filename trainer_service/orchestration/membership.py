@@ -56,6 +56,9 @@ class SamplerHandle:
     sampler_id: str = ""
     info: sampler_pb2.SamplerInfo | None = None
     weight_version: int = -1
+    # The push id of the weights it serves (GetInfo.weights_id, then our pushes): a delta push
+    # needs it to equal the publisher's base. "" = unknown.
+    weights_id: str = ""
     last_ok: float = field(default_factory=time.monotonic)
     failures: int = 0
     # One push at a time per sampler (it refuses a second concurrent one with ABORTED).
@@ -260,6 +263,7 @@ class SamplerPool:
                 # Afterwards the version is tracked from our own pushes (a probe's reply may
                 # be older than a push that completed meanwhile).
                 handle.weight_version = info.weight_version
+                handle.weights_id = info.weights_id
                 handle.state = SYNCING
                 self.joined += 1
                 joined = True
@@ -298,11 +302,19 @@ class SamplerPool:
             if handle.state != SYNCING:
                 handle.state = NEW
 
-    def mark_ready(self, handle: SamplerHandle, version: int) -> None:
+    def mark_ready(self, handle: SamplerHandle, version: int, weights_id: str = "") -> None:
+        """A push of ``version`` (named ``weights_id``) was applied: the sampler may get work."""
         with self._lock:
             handle.weight_version = version
+            handle.weights_id = weights_id
             if handle.state in (SYNCING, NEW, SUSPECT):
                 handle.state = READY
+
+    def weights_unknown(self, handle: SamplerHandle) -> None:
+        """A push failed: the sampler may or may not have applied it, so no delta is computed
+        against what it serves until a full push succeeds."""
+        with self._lock:
+            handle.weights_id = ""
 
     def start(self, interval_s: float | None = None) -> None:
         interval = interval_s or self._cfg.heartbeat_s

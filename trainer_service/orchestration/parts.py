@@ -74,5 +74,6 @@ def build_leader_parts(cfg: Config, *, tokenizer, metadata: tuple, run_dir,
                        max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
                        on_join=sync_new_sampler, identity=identity)
     dispatcher = Dispatcher(pool, queue, metadata=metadata)
-    publisher = WeightPublisher(pool, metadata=metadata)
+    publisher = WeightPublisher(pool, metadata=metadata, auth=cfg.services.auth,
+                                push=cfg.trainer.push)
     return LeaderParts(data, queue, pool, dispatcher, publisher, AuditLog(run_dir))

@@ -1,26 +1,48 @@
 """Pushes the trainer's weights to every sampler, resharded for each sampler's layout.
 
-After an update the trainer pushes version ``v`` to all samplers concurrently. For each
-sampler the stream is planned from that sampler's ``GetInfo`` layout
-(:func:`splitrl.wire.layouts_from_info`): the trainer's shards (e.g. fsdp over 4 devices) are
-cut along the sampler's block boundaries (e.g. tensor parallel over 2) and sent as regions in
-bounded chunks, so neither side assembles a tensor it does not need whole. Bytes and seconds
-of every push are recorded for the metrics.
+After an update the trainer pushes version ``v`` to all samplers (``push_all``; in the
+background with ``push_all_async`` when the run allows staleness). Per sampler the stream is
+planned from that sampler's ``GetInfo`` layout (:func:`splitrl.wire.layouts_from_info`): the
+trainer's shards (e.g. fsdp over 4 devices) are cut along the sampler's block boundaries (e.g.
+tensor parallel over 2) and cast to the dtype it serves, so neither side assembles a tensor it
+does not need whole. ``trainer.push`` (docs/weight-sync.md) chooses how the bytes travel:
+
+- **bulk** (default): the sampler's data plane (``GetInfo.data_address``), a TCP/TLS stream at
+  close to wire speed. Samplers with the same layout form one **relay chain** (healthy ones in
+  address order; a suspect one gets its own), so the trainer sends each byte once however many
+  samplers there are. Hops that a failed relay cut off are pushed again directly, chain by
+  chain, until each sampler has its own answer.
+- **delta**: a sampler known to serve the last push (its weights id) gets only the elements that
+  changed (``splitrl.wire``'s SPARSE chunks, chosen chunk by chunk when smaller); anyone else
+  (new, reset, after a failure) gets a full push.
+- **grpc**: ``PushWeights``, for samplers without a data plane (or ``transport: grpc``).
+
+A sampler that answers FAILED_PRECONDITION (it serves a newer version, or another base) is
+pushed again at once as a full reset to exactly our weights. Sampler state changes only through
+the pool (``mark_ready``, ``report_ok``, ``report_failure``, ``weights_unknown``, ``remove``).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import time
+import uuid
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import grpc
+import jax
 
+from splitrl.config import AuthConfig, PushConfig
+from splitrl.dataplane.link import PushLink, status_code
 from splitrl.v1 import sampler_pb2
-from splitrl.wire import iter_push_messages, layouts_from_info
-from trainer_service.orchestration.membership import READY, SamplerHandle, SamplerPool
+from splitrl.wire import iter_push_frames, iter_push_messages, layouts_from_info, push_header
+from trainer_service.orchestration.delta_base import DeltaBase, dtype_profile
+from trainer_service.orchestration.membership import READY, SUSPECT, SamplerHandle, SamplerPool
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +52,28 @@ class PushResult:
     address: str
     version: int
     ok: bool
-    bytes: int = 0
+    bytes: int = 0  # payload bytes the sampler received (a delta: fewer than full_bytes)
     seconds: float = 0.0
     error: str = ""
+    egress_bytes: int = 0  # bytes the trainer itself sent for it (0: a relay brought them)
+    full_bytes: int = 0  # the weights in the sampler's dtype: what a full push carries
+    transport: str = ""  # "bulk", "grpc" or "" (nothing sent)
+    delta: bool = False
+
+
+class PushInFlight:
+    """A ``push_all`` running in the background (:meth:`WeightPublisher.push_all_async`)."""
+
+    def __init__(self, future: Future, version: int):
+        self._future = future
+        self.version = version
+        self.started = time.monotonic()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> list[PushResult]:
+        return self._future.result(timeout)
 
 
 def _with_reset(messages: Iterator[sampler_pb2.WeightPushMessage], reset: bool):
@@ -42,14 +83,31 @@ def _with_reset(messages: Iterator[sampler_pb2.WeightPushMessage], reset: bool):
         yield message
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _device_copy(params, dtypes: tuple[tuple[str, str | None], ...]):
+    """New device arrays (never donated by the learner) in the dtypes the samplers serve."""
+    cast = dict(dtypes)
+    return {n: (a.astype(cast[n]) if cast[n] is not None else a.copy())
+            for n, a in params.items()}
+
+
 class WeightPublisher:
-    def __init__(self, pool: SamplerPool, *, metadata: tuple = (), timeout_s: float = 300.0,
+    def __init__(self, pool: SamplerPool, *, metadata: tuple = (), auth: AuthConfig | None = None,
+                 push: PushConfig | None = None, timeout_s: float | None = None,
                  max_workers: int = 8):
         self.pool = pool
         self.metadata = metadata
-        self.timeout_s = timeout_s
+        self.auth = auth
+        self.config = push or PushConfig()
+        self.timeout_s = timeout_s or self.config.timeout_s
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="push")
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-async")
+        self._incarnation = uuid.uuid4().hex[:12]  # push ids of two trainer runs never collide
+        self._lineage = 0  # rollbacks so far: a version pushed again after one is other bytes
+        self._bases: dict[tuple, DeltaBase] = {}
         self.history: list[PushResult] = []
+
+    # -- public API ---------------------------------------------------------------------------
 
     def push_one(
         self, handle: SamplerHandle, params: Mapping, version: int, *, reset: bool = False,
@@ -63,69 +121,228 @@ class WeightPublisher:
         with handle.push_lock:
             if unless_current and handle.state == READY and handle.weight_version >= version:
                 return PushResult(handle.address, handle.weight_version, True)
-            return self._push_locked(handle, params, version, reset)
-
-    def _push_locked(
-        self, handle: SamplerHandle, params: Mapping, version: int, reset: bool
-    ) -> PushResult:
-        start = time.monotonic()
-        if handle.info is None:
-            return PushResult(handle.address, version, False, error="no GetInfo yet")
-        try:
-            messages = iter_push_messages(
-                params,
-                version,
-                max_chunk_bytes=handle.info.max_chunk_bytes,
-                target_shardings=layouts_from_info(handle.info),
-                sender="trainer",
-            )
-            reply = handle.stub.PushWeights(
-                _with_reset(messages, reset), timeout=self.timeout_s, metadata=self.metadata
-            )
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and not reset:
-                # The sampler already serves this version or newer (e.g. another trainer
-                # incarnation pushed it). Roll it to exactly our weights.
-                return self._push_locked(handle, params, version, reset=True)
-            self.pool.report_failure(handle, f"push failed: {e.code().name}: {e.details()}")
-            result = PushResult(handle.address, version, False,
-                                seconds=time.monotonic() - start,
-                                error=f"{e.code().name}: {e.details()}")
-            log.warning("weight push failed", extra=result.__dict__)
-            return result
-        except ValueError as e:  # layouts do not match: a different model
-            self.pool.remove(handle, f"incompatible model: {e}")
-            return PushResult(handle.address, version, False, error=str(e))
-        self.pool.report_ok(handle)
-        self.pool.mark_ready(handle, reply.version)
-        return PushResult(handle.address, version, True, reply.bytes_received,
-                          time.monotonic() - start)
+            return self._push_group([handle], params, version, reset)[0]
 
     def push_all(
         self, params: Mapping, version: int, *, reset: bool = False,
         handles: list[SamplerHandle] | None = None,
     ) -> list[PushResult]:
-        """Push to every sampler that can take weights, concurrently; returns per-sampler."""
+        """Push to every sampler that can take weights; returns one result per sampler. With
+        ``reset`` the samplers take ``version`` even if they serve a newer one (a rollback)."""
+        if reset:
+            self._lineage += 1
         targets = handles if handles is not None else [
-            h for h in self.pool.all() if h.info is not None
-        ]
-        futures = [self._executor.submit(self.push_one, h, params, version, reset=reset)
-                   for h in targets]
-        results = [f.result() for f in futures]
+            h for h in self.pool.all() if h.info is not None]
+        futures = [self._executor.submit(self._push_locked, group, params, version, reset)
+                   for group in self._plan(targets)]
+        results = [r for f in futures for r in f.result()]
         self.history.extend(results)
         ok = [r for r in results if r.ok]
-        if ok:
-            log.info(
-                "weights pushed",
-                extra={
-                    "version": version,
-                    "samplers": len(ok),
-                    "failed": len(results) - len(ok),
-                    "mb": round(sum(r.bytes for r in ok) / 2**20, 2),
-                    "seconds": round(max(r.seconds for r in ok), 3),
-                },
-            )
+        if results:
+            log.info("weights pushed", extra={
+                "version": version, "samplers": len(ok), "failed": len(results) - len(ok),
+                "mb": round(sum(r.bytes for r in ok) / 2**20, 2),
+                "egress_mb": round(sum(r.egress_bytes for r in results) / 2**20, 2),
+                "seconds": round(max((r.seconds for r in ok), default=0.0), 3),
+                "delta": sum(r.delta for r in ok)})
         return results
 
+    def push_all_async(
+        self, params: Mapping, version: int, *, reset: bool = False,
+        handles: list[SamplerHandle] | None = None,
+    ) -> PushInFlight:
+        """:meth:`push_all` in the background; the caller may update ``params`` meanwhile.
+
+        The push reads a device copy of ``params`` made here (in the dtypes the samplers serve
+        where they all agree: a float32 trainer feeding bfloat16 samplers copies half the
+        bytes), so the learner may donate its buffers to the next update at once.
+        """
+        snapshot = self.snapshot(params, handles)
+        future = self._background.submit(self.push_all, snapshot, version, reset=reset,
+                                          handles=handles)
+        return PushInFlight(future, version)
+
+    def snapshot(self, params: Mapping, handles: list[SamplerHandle] | None = None) -> Mapping:
+        """``params`` as a push may read them after the learner moved on: device arrays are
+        copied on their devices (cast where every sampler serves one dtype); host arrays are
+        already a copy."""
+        if not any(isinstance(a, jax.Array) for a in params.values()):
+            return params
+        infos = [h.info for h in (handles if handles is not None else self.pool.all())
+                 if h.info is not None]
+        served: dict[str, set[str]] = {}
+        for info in infos:
+            for p in info.params:
+                served.setdefault(p.name, set()).add(p.dtype)
+        dtypes = {n: (next(iter(served[n])) if len(served.get(n, ())) == 1
+                      and served[n] != {str(a.dtype)} else None) for n, a in params.items()}
+        return _device_copy(dict(params), tuple(sorted(dtypes.items())))
+
     def close(self) -> None:
+        self._background.shutdown(wait=True, cancel_futures=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def _bulk(self, handle: SamplerHandle) -> bool:
+        return self.config.transport == "bulk" and bool(handle.info.data_address)
+
+    def _plan(self, targets: list[SamplerHandle]) -> list[list[SamplerHandle]]:
+        """Groups pushed together: a relay chain per layout of healthy bulk samplers; everyone
+        else alone (gRPC samplers, suspect ones: a stalled relay would hold up its chain)."""
+        chains: dict[tuple, list[SamplerHandle]] = {}
+        alone: list[list[SamplerHandle]] = []
+        for handle in sorted(targets, key=lambda h: h.address):
+            if not (self.config.relay and self._bulk(handle)) or handle.state == SUSPECT:
+                alone.append([handle])
+                continue
+            info = handle.info
+            key = (info.model_fingerprint, tuple(info.mesh.axis_names),
+                   tuple(info.mesh.axis_sizes),
+                   tuple((p.name, p.dtype, tuple(p.partition)) for p in info.params))
+            chains.setdefault(key, []).append(handle)
+        return list(chains.values()) + alone
+
+    # -- pushing ------------------------------------------------------------------------------
+
+    def _push_locked(self, group: list[SamplerHandle], params: Mapping, version: int,
+                     reset: bool) -> list[PushResult]:
+        with ExitStack() as stack:
+            for handle in group:  # address order (from _plan): no two pushes deadlock
+                stack.enter_context(handle.push_lock)
+            return self._push_group(group, params, version, reset)
+
+    def _push_group(self, group: list[SamplerHandle], params: Mapping, version: int,
+                    reset: bool) -> list[PushResult]:
+        """Push to ``group`` (push locks held) until every member has its own answer."""
+        results: dict[str, PushResult] = {}
+        pending = [h for h in group if h.info is not None]
+        for handle in group:
+            if handle.info is None:
+                results[handle.address] = PushResult(handle.address, version, False,
+                                                     error="no GetInfo yet")
+        resets: list[SamplerHandle] = []
+        while pending:
+            if self._bulk(pending[0]):
+                round_results = self._push_bulk(pending, params, version, reset)
+            else:
+                round_results = [self._push_grpc(pending[0], params, version, reset)]
+            pending = []
+            for handle, result, relay_failure in round_results:
+                if relay_failure:
+                    pending.append(handle)  # cut off by a relay: try again without it
+                elif (not result.ok and not reset and result.error.startswith(
+                        "FAILED_PRECONDITION") and handle not in resets):
+                    resets.append(handle)
+                else:
+                    results[handle.address] = result
+        if resets:  # it serves a newer version or another base: roll it to exactly ours
+            for result in self._push_group(resets, params, version, True):
+                results[result.address] = result
+        for handle in group:
+            self._record(handle, results[handle.address])
+        return [results[h.address] for h in group]
+
+    def _record(self, handle: SamplerHandle, result: PushResult) -> None:
+        if result.ok:
+            self.pool.report_ok(handle)
+            self.pool.mark_ready(handle, result.version, self._push_id(handle, result.version))
+        elif result.transport:  # something was attempted and failed
+            self.pool.weights_unknown(handle)
+            if result.error.startswith("INCOMPATIBLE"):
+                self.pool.remove(handle, result.error)
+            else:
+                self.pool.report_failure(handle, f"push failed: {result.error}")
+                log.warning("weight push failed", extra=result.__dict__)
+
+    def _push_id(self, handle: SamplerHandle, version: int) -> str:
+        """Names the bytes of ``version`` in ``handle``'s dtypes, for this trainer run."""
+        profile = dtype_profile(layouts_from_info(handle.info))
+        digest = hashlib.sha256(repr(profile).encode()).hexdigest()[:8]
+        return f"{self._incarnation}.{self._lineage}-v{version}-{digest}"
+
+    def _push_bulk(self, chain: list[SamplerHandle], params: Mapping, version: int,
+                   reset: bool) -> list[tuple[SamplerHandle, PushResult, bool]]:
+        """One relay chain over the data plane; ``(handle, result, relay_failure)`` per hop."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        layouts = layouts_from_info(chain[0].info)
+        push_id = self._push_id(chain[0], version)
+        base, use_delta = None, False
+        if self.config.delta:
+            base = self._bases.setdefault(dtype_profile(layouts), DeltaBase())
+            if not base.claim():
+                base = None  # another chain of this profile is reading it: go full
+            else:
+                use_delta = (not reset and base.push_id is not None
+                             and all(h.weights_id == base.push_id for h in chain))
+        try:
+            try:
+                header = push_header(params, version, target_shardings=layouts,
+                                     sender="trainer", reset=reset, push_id=push_id,
+                                     base_id=base.push_id if use_delta else "")
+            except ValueError as e:  # layouts do not match: a different model
+                return [(h, PushResult(h.address, version, False, error=f"INCOMPATIBLE: {e}",
+                                       transport="bulk"), False) for h in chain]
+            frames = iter_push_frames(
+                params, version, max_chunk_bytes=min(h.info.max_chunk_bytes for h in chain),
+                target_shardings=layouts, base=base.block if use_delta else None,
+                sink=base.keep if base is not None else None)
+            link = PushLink([_data_address(h) for h in chain], header, auth=self.auth,
+                            idle_timeout_s=self.config.idle_timeout_s)
+            outcomes, sent_all = link.run(frames, deadline=deadline)
+            if sent_all and base is not None:
+                base.complete(push_id, version)
+        finally:
+            if base is not None:
+                base.release()
+        seconds = time.monotonic() - start
+        out = []
+        for i, (handle, o) in enumerate(zip(chain, outcomes, strict=True)):
+            code = status_code(o.code)
+            ok = code == grpc.StatusCode.OK and o.version == version
+            out.append((handle, PushResult(
+                handle.address, o.version if ok else version, ok, o.bytes_received, seconds,
+                "" if ok else f"{code.name}: {o.message}",
+                egress_bytes=link.bytes_sent if i == 0 else 0, full_bytes=header.total_bytes,
+                transport="bulk", delta=use_delta), o.relay_failure))
+        return out
+
+    def _push_grpc(self, handle: SamplerHandle, params: Mapping, version: int,
+                   reset: bool) -> tuple[SamplerHandle, PushResult, bool]:
+        start = time.monotonic()
+        layouts = layouts_from_info(handle.info)
+        try:
+            messages = iter_push_messages(
+                params, version, max_chunk_bytes=handle.info.max_chunk_bytes,
+                target_shardings=layouts, sender="trainer",
+                push_id=self._push_id(handle, version))
+            first = next(messages)  # the header: checks the layouts
+            reply = handle.stub.PushWeights(
+                _with_reset(_chain([first], messages), reset), timeout=self.timeout_s,
+                metadata=self.metadata)
+        except grpc.RpcError as e:
+            return handle, PushResult(handle.address, version, False,
+                                      seconds=time.monotonic() - start,
+                                      error=f"{e.code().name}: {e.details()}",
+                                      transport="grpc"), False
+        except ValueError as e:  # layouts do not match: a different model
+            return handle, PushResult(handle.address, version, False,
+                                      error=f"INCOMPATIBLE: {e}", transport="grpc"), False
+        return handle, PushResult(handle.address, reply.version, True, reply.bytes_received,
+                                  time.monotonic() - start, egress_bytes=reply.bytes_received,
+                                  full_bytes=first.header.total_bytes, transport="grpc"), False
+
+
+def _data_address(handle: SamplerHandle) -> str:
+    """Where to reach ``handle``'s data plane: the host we reach its gRPC server at (a pod IP
+    from DNS, a compose service name) and the port it advertises; its own idea of its host
+    name may not resolve from here."""
+    host = handle.address.rpartition(":")[0]
+    port = handle.info.data_address.rpartition(":")[2]
+    return f"{host}:{port}"
+
+
+def _chain(*iterables):
+    for iterable in iterables:
+        yield from iterable

@@ -1,0 +1,95 @@
+"""What every part of the wire shares: the error type, dtype names, checksums and digests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+
+import crc32c as _crc32c
+import grpc
+import ml_dtypes
+import numpy as np
+
+_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(name)
+    for name in (
+        "float64", "float32", "float16", "int64", "int32", "int16", "int8",
+        "uint64", "uint32", "uint16", "uint8", "bool",
+    )
+}
+_DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+
+
+class WireError(Exception):
+    """A push violates the wire contract; ``code`` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+
+def dtype_name(dtype) -> str:
+    """The wire name of a numpy/jax dtype ("float32", "bfloat16", ...)."""
+    return np.dtype(dtype).name
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype for a wire dtype name; ValueError for names the wire does not carry."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        supported = sorted(_DTYPES)
+        raise ValueError(f"dtype {name!r} is not supported (supported: {supported})") from None
+
+
+def checksum(data, value: int = 0) -> int:
+    """CRC-32C (Castagnoli) of a bytes-like object: what ``TensorChunk.checksum`` carries;
+    ``value``: the CRC of the bytes before ``data`` (to checksum a chunk piece by piece).
+
+    Hardware-accelerated (SSE 4.2 / ARMv8 CRC): ~16 GB/s here against zlib's CRC-32 at ~2.3
+    GB/s, which alone would cost a push a third of its budget at 1 GB/s on each end.
+    """
+    return _crc32c.crc32c(data, value)
+
+
+ALIGNMENT = 64  # what XLA:CPU needs to use a host buffer as a device buffer without a copy
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """``np.empty`` on a 64-byte boundary: on CPU, ``jax.device_put`` then aliases it (no copy)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
+    skip = -raw.ctypes.data % ALIGNMENT
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+def byte_view(array: np.ndarray) -> np.ndarray:
+    """A flat uint8 view of a C-contiguous array (copies only if it is not contiguous)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def array_digest(array) -> str:
+    """SHA-256 over dtype, shape and C-order bytes: equal digests mean bitwise-equal tensors."""
+    host = np.asarray(array)
+    h = hashlib.sha256()
+    h.update(f"{dtype_name(host.dtype)}{list(host.shape)}".encode())
+    h.update(byte_view(host))
+    return "sha256:" + h.hexdigest()
+
+
+def model_fingerprint(architecture: str, params: Mapping[str, tuple[str, Sequence[int]]]) -> str:
+    """Hash of the architecture and every parameter's name, dtype and shape.
+
+    Trainer and sampler compute it the same way, so equal fingerprints mean a push will fit.
+    """
+    desc = {"architecture": architecture,
+            "params": [[n, params[n][0], [int(d) for d in params[n][1]]] for n in sorted(params)]}
+    return "sha256:" + hashlib.sha256(json.dumps(desc).encode()).hexdigest()

@@ -1,0 +1,126 @@
+"""Where the bytes of a tensor are: the sender's shards, the receiver's blocks, and the regions
+(their intersections) a push is cut into."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import product
+
+import numpy as np
+
+from splitrl.v1 import sampler_pb2
+from splitrl.wire._core import dtype_name
+
+Bounds = tuple[tuple[int, int], ...]  # [start, stop) per dim
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """How the receiver holds one parameter: mesh-axis names per dim, axis sizes, dtype, shape.
+
+    ``partition`` uses the ``ParamInfo.partition`` strings ("" = not split along that dim,
+    "a+b" = split over several axes). ``dtype``/``shape`` None means "as the sender has it".
+    """
+
+    partition: tuple[str, ...]
+    axis_sizes: tuple[tuple[str, int], ...]
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+    def blocks_per_dim(self, shape: Sequence[int]) -> list[int]:
+        sizes = dict(self.axis_sizes)
+        parts = list(self.partition) + [""] * (len(shape) - len(self.partition))
+        if len(parts) > len(shape):
+            raise ValueError(f"partition {list(self.partition)} has more dims than shape "
+                             f"{list(shape)}")
+        out = []
+        for dim, part in enumerate(parts):
+            n = 1
+            for axis in filter(None, part.split("+")):
+                if axis not in sizes:
+                    raise ValueError(f"partition names mesh axis {axis!r}, not in the mesh "
+                                     f"{dict(self.axis_sizes)}")
+                n *= sizes[axis]
+            if shape[dim] % n:
+                raise ValueError(f"dim {dim} of size {shape[dim]} does not divide into {n} "
+                                 f"blocks (partition {part!r})")
+            out.append(n)
+        return out
+
+
+def layouts_from_info(info: sampler_pb2.SamplerInfo) -> dict[str, TargetLayout]:
+    """``{name: TargetLayout}`` from a sampler's ``GetInfo`` reply."""
+    axes = tuple(zip(info.mesh.axis_names, (int(s) for s in info.mesh.axis_sizes), strict=True))
+    return {
+        p.name: TargetLayout(tuple(p.partition), axes, p.dtype or None, tuple(p.shape))
+        for p in info.params
+    }
+
+
+def layout_from_sharding(sharding, dtype=None) -> TargetLayout:
+    """A :class:`TargetLayout` from a ``jax.sharding.NamedSharding`` (same-process tests)."""
+    from splitrl.mesh import spec_to_strings
+
+    mesh = sharding.mesh
+    spec = sharding.spec
+    return TargetLayout(
+        tuple(spec_to_strings(spec, len(spec))),
+        tuple(zip(mesh.axis_names, mesh.devices.shape, strict=True)),
+        None if dtype is None else dtype_name(dtype),
+    )
+
+
+def _norm_index(index: Sequence[slice], shape: Sequence[int]) -> Bounds:
+    out = []
+    for sl, n in zip(index, shape, strict=True):
+        start, stop, step = sl.indices(n)
+        if step != 1:
+            raise ValueError(f"shard index {index} has a step")
+        out.append((start, stop))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SenderBlock:
+    """One unique shard the sender holds: its bounds in the tensor and how to read it."""
+
+    bounds: Bounds
+    read: Callable[[], np.ndarray]  # the block as a host array, in the sender's dtype
+
+
+def sender_blocks(array) -> list[SenderBlock]:
+    """The unique shards (``replica_id == 0``) of ``array``: a ``jax.Array`` of any sharding,
+    fully addressable, or a host array (one block). Reading a block copies one shard to the
+    host (zero-copy for CPU devices)."""
+    shape = tuple(array.shape)
+    shards = getattr(array, "addressable_shards", None)
+    if shards is None:
+        return [SenderBlock(tuple((0, n) for n in shape), lambda: np.asarray(array))]
+    blocks = {}
+    for shard in shards:
+        if shard.replica_id != 0:
+            continue
+        bounds = _norm_index(shard.index, shape)
+        blocks.setdefault(bounds, shard)
+    covered = sum(math.prod(b - a for a, b in bounds) for bounds in blocks)
+    if covered != math.prod(shape):
+        raise ValueError(
+            f"array of shape {list(shape)} is not fully addressable by this process "
+            f"(its replica-0 shards cover {covered} of {math.prod(shape)} elements); "
+            "a multi-host sender must push from a process that holds every region")
+    return [SenderBlock(bounds, lambda s=shard: np.asarray(s.data))
+            for bounds, shard in sorted(blocks.items())]
+
+
+def plan_regions(block: Bounds, shape: Sequence[int], target: TargetLayout | None) -> list[Bounds]:
+    """Split one sender block along the receiver's block boundaries (its intersections)."""
+    if target is None:
+        return [block]
+    per_dim = []
+    for (lo, hi), n, size in zip(block, target.blocks_per_dim(shape), shape, strict=True):
+        step = size // n if n else size
+        cuts = [lo] + [c for c in range(0, size, step or 1) if lo < c < hi] + [hi]
+        per_dim.append(list(zip(cuts[:-1], cuts[1:], strict=True)))
+    return [tuple(r) for r in product(*per_dim)]

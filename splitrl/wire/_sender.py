@@ -1,0 +1,217 @@
+"""The sender's side of a push: a header, then every parameter's regions in bounded chunks.
+
+A chunk is produced as a *frame*: the ``TensorChunk`` fields without the bytes, plus the bytes
+as a ``memoryview`` (zero-copy out of the host copy of one shard). The gRPC transport puts the
+bytes into ``TensorChunk.data``; the bulk data plane sends them after the frame.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from splitrl.v1 import sampler_pb2, tensor_pb2
+from splitrl.wire._core import byte_view, checksum, dtype_name, numpy_dtype
+from splitrl.wire._delta import delta_encode
+from splitrl.wire._layout import Bounds, TargetLayout, plan_regions, sender_blocks
+
+Frame = tuple[tensor_pb2.TensorChunk, memoryview]
+# The host copy (in the wire dtype) of one sender block of the weights the receiver serves.
+BaseBlocks = Callable[[str, Bounds], "np.ndarray | None"]
+# Called with every block once its chunks are sent (in the wire dtype; ``fresh``: a cast made
+# it, nobody else holds it): how a sender keeps the next base.
+BlockSink = Callable[[str, Bounds, np.ndarray, bool], None]
+
+
+def iter_region_frames(
+    name: str,
+    region: np.ndarray,
+    *,
+    shape: Sequence[int],
+    version: int,
+    max_chunk_bytes: int,
+    region_start: Sequence[int] | None = None,
+    base: np.ndarray | None = None,
+) -> Iterator[Frame]:
+    """Frames (<= ``max_chunk_bytes`` of payload each, whole elements) of ``region``.
+
+    ``region_start`` None means ``region`` is the whole tensor (sent with empty region fields).
+    With ``base`` (the same region of the weights the receiver serves) a chunk is sent as a
+    delta (SPARSE or BITMAP, see ``_delta.py``) when that is smaller than its raw bytes.
+    """
+    itemsize = region.dtype.itemsize
+    if max_chunk_bytes < itemsize:
+        raise ValueError(f"max_chunk_bytes {max_chunk_bytes} is smaller than one {region.dtype} "
+                         "element")
+    shape = [int(d) for d in shape]
+    start = [0] * len(shape) if region_start is None else [int(s) for s in region_start]
+    whole = list(region.shape) == shape and not any(start)
+    meta = dict(
+        name=name,
+        dtype=dtype_name(region.dtype),
+        shape=shape,
+        region_start=[] if whole else start,
+        region_shape=[] if whole else list(region.shape),
+        version=version,
+    )
+    raw = byte_view(region)
+    old = None
+    if base is not None:
+        if base.shape != region.shape or base.dtype != region.dtype:
+            raise ValueError(f"{name}: base region {base.dtype}{list(base.shape)} does not match "
+                             f"{region.dtype}{list(region.shape)}")
+        old = byte_view(base)
+    step = max_chunk_bytes // itemsize * itemsize
+    view = memoryview(raw)
+    for offset in range(0, max(raw.size, 1), step):
+        piece = view[offset : offset + step]
+        crc = checksum(piece)
+        if old is not None:
+            delta = delta_encode(raw[offset : offset + step], old[offset : offset + step],
+                                 itemsize)
+            if delta is not None:
+                encoding, payload = delta
+                yield (tensor_pb2.TensorChunk(offset=offset, checksum=crc, encoding=encoding,
+                                              length=len(piece), **meta), memoryview(payload))
+                continue
+        yield tensor_pb2.TensorChunk(offset=offset, checksum=crc, **meta), piece
+
+
+def iter_tensor_frames(
+    name: str,
+    array,
+    *,
+    version: int,
+    max_chunk_bytes: int,
+    target: TargetLayout | None = None,
+    base: BaseBlocks | None = None,
+    sink: BlockSink | None = None,
+) -> Iterator[Frame]:
+    """All frames of one parameter: per sender shard (cast to the receiver's dtype once), per
+    receiver block it overlaps. ``base``/``sink``: see :func:`iter_push_frames`."""
+    shape = tuple(int(d) for d in array.shape)
+    cast = numpy_dtype(target.dtype) if target is not None and target.dtype else None
+    for block in sender_blocks(array):
+        host = block.read()
+        fresh = cast is not None and host.dtype != cast
+        if fresh:
+            host = host.astype(cast)
+        old = base(name, block.bounds) if base is not None else None
+        if old is not None and (old.shape != host.shape or old.dtype != host.dtype):
+            old = None  # the base was pushed from another sharding or dtype: send it whole
+        lo = [a for a, _ in block.bounds]
+        for region in plan_regions(block.bounds, shape, target):
+            local = tuple(slice(a - s, b - s) for (a, b), s in zip(region, lo, strict=True))
+            yield from iter_region_frames(
+                name, host[local], shape=shape, version=version, max_chunk_bytes=max_chunk_bytes,
+                region_start=[a for a, _ in region],
+                base=None if old is None else old[local])
+        if sink is not None:  # after the block's chunks: ``old`` may be overwritten now
+            sink(name, block.bounds, host, fresh)
+
+
+def check_targets(flat_params: Mapping[str, object],
+                  target_shardings: Mapping[str, TargetLayout] | None) -> None:
+    """ValueError unless the receiver's layout names exactly our parameters, in our shapes."""
+    if target_shardings is None:
+        return
+    missing = sorted(set(target_shardings) - set(flat_params))
+    extra = sorted(set(flat_params) - set(target_shardings))
+    if missing or extra:
+        raise ValueError(f"parameters do not match the receiver's: missing {missing[:8]}, "
+                         f"unexpected {extra[:8]}")
+    for name, layout in target_shardings.items():
+        got = tuple(flat_params[name].shape)
+        if layout.shape is not None and tuple(layout.shape) != got:
+            raise ValueError(f"parameter {name!r}: shape {list(got)}, receiver expects "
+                             f"{list(layout.shape)}")
+
+
+def push_header(
+    flat_params: Mapping[str, object],
+    version: int,
+    *,
+    target_shardings: Mapping[str, TargetLayout] | None = None,
+    sender: str = "",
+    reset: bool = False,
+    push_id: str = "",
+    base_id: str = "",
+) -> sampler_pb2.PushHeader:
+    """The ``PushHeader`` of a push of ``flat_params`` (checked against the receiver's layout):
+    ``total_bytes`` counts every parameter in the receiver's dtype."""
+    check_targets(flat_params, target_shardings)
+    total = 0
+    for name, array in flat_params.items():
+        target = target_shardings[name] if target_shardings is not None else None
+        dtype = numpy_dtype(target.dtype) if target and target.dtype else np.dtype(array.dtype)
+        total += math.prod(array.shape) * dtype.itemsize
+    return sampler_pb2.PushHeader(version=version, tensor_count=len(flat_params),
+                                  total_bytes=total, sender=sender, reset=reset,
+                                  push_id=push_id, base_id=base_id)
+
+
+def iter_push_frames(
+    flat_params: Mapping[str, object],
+    version: int,
+    *,
+    max_chunk_bytes: int,
+    target_shardings: Mapping[str, TargetLayout] | None = None,
+    base: BaseBlocks | None = None,
+    sink: BlockSink | None = None,
+) -> Iterator[Frame]:
+    """Every parameter's frames, in name order (the header comes from :func:`push_header`).
+
+    ``flat_params`` maps HF names to ``jax.Array`` (any sharding, fully addressable) or numpy
+    arrays; ``target_shardings`` (from ``layouts_from_info``) is the receiver's layout, whose
+    dtypes the values are cast to; None sends each sender shard as one region. ``base`` gives
+    the blocks of the weights the receiver serves (a delta push); ``sink`` sees every block as
+    sent. Lazy: tensors are read one shard at a time as the stream is consumed.
+    """
+    check_targets(flat_params, target_shardings)
+    for name in sorted(flat_params):
+        target = target_shardings[name] if target_shardings is not None else None
+        yield from iter_tensor_frames(name, flat_params[name], version=version,
+                                      max_chunk_bytes=max_chunk_bytes, target=target,
+                                      base=base, sink=sink)
+
+
+def _with_data(frames: Iterator[Frame]) -> Iterator[tensor_pb2.TensorChunk]:
+    for chunk, payload in frames:
+        chunk.data = bytes(payload)
+        yield chunk
+
+
+def iter_region_chunks(name: str, region: np.ndarray, **kw) -> Iterator[tensor_pb2.TensorChunk]:
+    """:func:`iter_region_frames` as ``TensorChunk`` messages carrying their bytes in ``data``."""
+    return _with_data(iter_region_frames(name, np.asarray(region), **kw))
+
+
+def iter_tensor_chunks(name: str, array, **kw) -> Iterator[tensor_pb2.TensorChunk]:
+    """:func:`iter_tensor_frames` as ``TensorChunk`` messages carrying their bytes in ``data``."""
+    return _with_data(iter_tensor_frames(name, array, **kw))
+
+
+def iter_push_messages(
+    flat_params: Mapping[str, object],
+    version: int,
+    *,
+    max_chunk_bytes: int,
+    target_shardings: Mapping[str, TargetLayout] | None = None,
+    sender: str = "",
+    reset: bool = False,
+    push_id: str = "",
+) -> Iterator[sampler_pb2.WeightPushMessage]:
+    """The ``PushWeights`` request stream (gRPC): a header, then every parameter's chunks.
+
+    A full push (the gRPC transport carries no deltas). ``reset`` lets the receiver accept a
+    version that is not newer (rollback to a checkpoint).
+    """
+    yield sampler_pb2.WeightPushMessage(header=push_header(
+        flat_params, version, target_shardings=target_shardings, sender=sender, reset=reset,
+        push_id=push_id))
+    frames = iter_push_frames(flat_params, version, max_chunk_bytes=max_chunk_bytes,
+                              target_shardings=target_shardings)
+    for chunk in _with_data(frames):
+        yield sampler_pb2.WeightPushMessage(chunk=chunk)
