@@ -133,9 +133,10 @@ class TrainerRun:
             self.accuracy_fn = accuracy_function(cfg)
             self.reward_checks = RewardChecks.from_config(cfg.reward)
             self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+        self._restore()  # refuses a checkpoint of another config before anything else starts
+        if self.hosts.is_leader:
             self.trackers = Trackers.from_config(cfg, self.run_dir, self.accuracy_fn)
             (self.run_dir / "summary.json").unlink(missing_ok=True)  # written when it ends
-        self._restore()
 
     # -- one step -------------------------------------------------------------------------
 
