@@ -320,9 +320,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Arguments, with ``a.b=c`` overrides accepted after options too (``splitrl eval MODEL
+    --k 1,4 trainer.data.eval_size=10``: argparse alone takes positionals in one run)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides")
+                  or any(a.startswith("-") or "=" not in a for a in extra)):
+        parser.parse_args(argv)  # argparse's own error for what it does not know
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         result = args.func(args)
     except ConfigError as e:
