@@ -12,7 +12,7 @@ export JAX_PLATFORMS ?= cpu
 
 PROTOS := $(wildcard protos/splitrl/v1/*.proto)
 
-.PHONY: demo test test-fast lint protos bench clean
+.PHONY: demo test test-fast lint protos bench clean compose-smoke
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ protos: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/sampler_throughput.py
 	$(BIN)/python bench/reward_throughput.py
+
+# The compose stack in real containers (needs a Docker engine: deploy/engine-setup.sh); not part
+# of `make test`. Builds the image, runs the demo, scales, kills a sampler, restarts the trainer.
+compose-smoke:
+	bash deploy/smoke.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs

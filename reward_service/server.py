@@ -135,7 +135,9 @@ def serve(config: Config, address: str | None = None) -> tuple[Server, RewardSco
         server = start_server(
             lambda s: reward_pb2_grpc.add_RewardServicer_to_server(
                 RewardServicer(scorer, cfg), s),
-            address or config.services.reward_address,
+            # Listen on services.host (0.0.0.0 in a container) at the port of reward_address;
+            # the address's host is how the others reach us (a compose or k8s Service name).
+            address or f"{config.services.host}:{config.services.reward_address.rsplit(':', 1)[1]}",
             service_names=[SERVICE_NAME],
             max_message_bytes=_grpc_message_limit(cfg.max_request_bytes),
             auth=config.services.auth,

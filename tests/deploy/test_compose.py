@@ -1,5 +1,8 @@
-"""deploy/compose.yaml: valid against the compose spec; every service's command, health check and
-mounted config are accepted by the real CLI; samplers scale with no address written anywhere."""
+"""deploy/compose.yaml: valid against the compose spec and free of what only one of Compose v2
+and docker-compose 1.29 reads; every service's command, health check and mounted config are
+accepted by the real CLI; samplers scale with no address written anywhere.
+
+(`deploy/smoke.sh` runs the file for real with both, where a Docker engine runs.)"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from splitrl.config import load_config
 
 COMPOSE = DEPLOY / "compose.yaml"
 SERVICES = ("reward", "sampler", "trainer")
+CONTAINER_IP = "172.18.0.5"  # what `hostname -i` prints in a container on the project network
 
 
 def compose() -> dict:
@@ -29,7 +33,9 @@ def argv(service: dict) -> list[str]:
     if entry is None:  # the image's ENTRYPOINT ["splitrl"]
         return list(command)
     assert entry == ["sh", "-c"], entry
-    script = command[0]
+    # Compose turns $$ into $; then the shell substitutes the container's address.
+    script = command[0].replace("$$", "$").replace("$(hostname -i)", CONTAINER_IP)
+    assert "$" not in script, script
     words = shlex.split(script)
     assert "exec" in words and words[words.index("exec") + 1] == "splitrl", script
     return words[words.index("exec") + 2 :]
@@ -111,9 +117,50 @@ def test_samplers_can_be_scaled_no_fixed_name_port_or_address():
     sampler = compose()["services"]["sampler"]
     assert "container_name" not in sampler and "hostname" not in sampler
     assert "ports" not in sampler  # published host ports would collide at --scale sampler=3
-    assert sampler["deploy"]["replicas"] == 2  # as many as `make demo`
-    text = COMPOSE.read_text()
-    assert "sampler_addresses" not in text and "advertise_host" not in text
+    assert sampler["deploy"]["replicas"] == 2  # as many as `make demo` (1.29 reads it too)
+    assert "sampler_addresses" not in COMPOSE.read_text()
+
+
+def test_each_sampler_advertises_the_address_the_trainers_dns_lookup_returns(monkeypatch):
+    """Registration and DNS must name a sampler by the same address, else the trainer's pool
+    holds it twice (two weight pushes collide, its capacity counts double): each replica
+    advertises its own address on the project network, read when it starts."""
+    _, parsed, cfg = _service_config("sampler", monkeypatch)
+    assert parsed.command == "sampler"
+    assert cfg.services.advertise_host == CONTAINER_IP
+    script = compose()["services"]["sampler"]["command"][0]
+    assert "services.advertise_host=$$(hostname -i)" in script  # $$: not a compose variable
+
+
+def test_no_top_level_name_the_project_name_comes_from_the_env_file():
+    """docker-compose 1.29 rejects a top-level `name:` (Compose v2 only); both read
+    COMPOSE_PROJECT_NAME from the .env file beside the compose file."""
+    assert "name" not in compose()
+    env = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / ".env").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    assert env == {"COMPOSE_PROJECT_NAME": "splitrl"}
+
+
+def test_build_args_name_the_dockerfiles_args_and_default_to_the_registry_path():
+    build = compose()["services"]["trainer"]["build"]
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    for arg in build["args"]:
+        assert f"ARG {arg}=" in dockerfile, arg
+    assert build["args"]["BASE_IMAGE"] == "python:3.11-slim"  # interpolated with nothing set
+    assert build["args"]["CA_IMAGE"] == "scratch"
+    assert build["network"] == "default"
+    local = yaml.safe_load(interpolate_compose(COMPOSE.read_text(), {
+        "SPLITRL_BASE_IMAGE": "splitrl-base:bookworm", "SPLITRL_BUILD_NETWORK": "host"}))
+    assert local["services"]["trainer"]["build"]["args"]["BASE_IMAGE"] == "splitrl-base:bookworm"
+    assert local["services"]["trainer"]["build"]["network"] == "host"
+
+
+def test_a_stopped_trainer_gets_time_to_checkpoint_its_step():
+    grace = compose()["services"]["trainer"]["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) >= 60
 
 
 def test_init_model_writes_the_model_the_services_load_into_a_shared_volume(monkeypatch):

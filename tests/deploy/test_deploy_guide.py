@@ -19,7 +19,8 @@ GUIDE = REPO / "docs" / "deploy.md"
 
 
 def commands() -> list[list[str]]:
-    """Every command of the guide's ```bash blocks, split into words (``&&`` splits too)."""
+    """Every command of the guide's ```bash blocks, split into words (``&&`` and ``|`` split
+    too)."""
     blocks = re.findall(r"```bash\n(.*?)```", GUIDE.read_text(), flags=re.S)
     out = []
     for block in blocks:
@@ -28,11 +29,22 @@ def commands() -> list[list[str]]:
             if not line or line.startswith("#"):
                 continue
             for part in line.split("&&"):
-                words = shlex.split(part)
-                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value cmd
-                    words = words[1:]
-                if words:
-                    out.append(words)
+                for words in _pipeline(shlex.split(part)):
+                    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):  # VAR=value cmd
+                        words = words[1:]
+                    if words:
+                        out.append(words)
+    return out
+
+
+def _pipeline(words: list[str]) -> list[list[str]]:
+    """``a x | b y`` -> [[a, x], [b, y]]."""
+    out: list[list[str]] = [[]]
+    for w in words:
+        if w == "|":
+            out.append([])
+        else:
+            out[-1].append(w)
     return out
 
 
@@ -40,13 +52,20 @@ def by_tool(*prefix: str) -> list[list[str]]:
     return [c for c in commands() if c[: len(prefix)] == list(prefix)]
 
 
-def option(words: list[str], name: str) -> str | None:
+def options(words: list[str], name: str) -> list[str]:
+    """Every value of a repeatable option (``--build-arg A=1 --build-arg B=2``)."""
+    out = []
     for i, w in enumerate(words):
         if w == name:
-            return words[i + 1]
-        if w.startswith(name + "="):
-            return w.split("=", 1)[1]
-    return None
+            out.append(words[i + 1])
+        elif w.startswith(name + "="):
+            out.append(w.split("=", 1)[1])
+    return out
+
+
+def option(words: list[str], name: str) -> str | None:
+    found = options(words, name)
+    return found[0] if found else None
 
 
 def test_the_guide_has_commands_for_every_path():
@@ -73,29 +92,62 @@ def test_every_splitrl_command_parses_and_names_real_overlays():
 def test_docker_build_commands_use_the_dockerfile_and_its_build_args():
     builds = by_tool("docker", "build")
     assert builds
-    allowed = {"cpu", "tpu"}
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    imported = {c[-1] for c in by_tool("docker", "import")}  # images the guide makes locally
     for words in builds:
         assert option(words, "-f") == "deploy/Dockerfile" and words[-1] == "."
-        arg = option(words, "--build-arg")
-        if arg is not None:
+        for arg in options(words, "--build-arg"):
             name, value = arg.split("=")
-            assert name == "ACCELERATOR" and value in allowed
+            assert f"ARG {name}=" in dockerfile, name
+            if name == "ACCELERATOR":
+                assert value in {"cpu", "tpu"}
+            if name in ("BASE_IMAGE", "CA_IMAGE"):
+                assert value in imported, f"{name}={value}: no `docker import` makes it"
         context = option(words, "--build-context")
         if context is not None:
             assert context.split("=")[0] == "data"
     assert any(option(w, "--build-arg") == "ACCELERATOR=tpu" for w in builds)
+    # The offline path: a base from Debian's packages, the CA bundle for the build stage only.
+    offline = [w for w in builds if "BASE_IMAGE=splitrl-base:bookworm" in options(w, "--build-arg")]
+    assert offline and option(offline[0], "--network") == "host"
+    assert "CA_IMAGE=splitrl-build-ca:local" in options(offline[0], "--build-arg")
+    debootstrap = by_tool("mmdebstrap")
+    assert debootstrap and debootstrap[0][-1] == by_tool("docker", "import")[0][-2]  # base.tar
+
+
+def compose_commands() -> list[list[str]]:
+    """`docker compose ...` and `docker-compose ...`, as ``compose -f FILE VERB ...``."""
+    v2 = [["compose", *c[2:]] for c in by_tool("docker", "compose")]
+    v1 = [["compose", *c[1:]] for c in by_tool("docker-compose")]
+    return v2 + v1
+
+
+def service_argument(args: list[str]) -> str:
+    """The first argument of a compose verb that is not an option or an option's value."""
+    takes_value = {"-t", "--timeout", "--index", "-e", "-u", "-w"}
+    skip = False
+    for w in args:
+        if skip:
+            skip = False
+        elif w in takes_value:
+            skip = True
+        elif not w.startswith("-"):
+            return w
+    raise AssertionError(f"no service in {args}")
 
 
 def test_compose_commands_use_the_compose_file_and_its_services():
-    cmds = by_tool("docker", "compose")
+    cmds = compose_commands()
     assert cmds
     services = compose()["services"]
     scaled = False
+    verbs = set()
     for words in cmds:
         assert option(words, "-f") == "deploy/compose.yaml"
-        verb = words[3]
-        if verb in ("logs", "exec", "run"):
-            name = next(w for w in words[4:] if not w.startswith("-"))
+        verb = words[words.index("-f") + 2]
+        verbs.add(verb)
+        if verb in ("logs", "exec", "run", "restart"):
+            name = service_argument(words[words.index(verb) + 1 :])
             assert name in services, name
         scale = option(words, "--scale")
         if scale:
@@ -109,7 +161,22 @@ def test_compose_commands_use_the_compose_file_and_its_services():
         if verb == "run":  # args after the service go to the image's `splitrl` entrypoint
             args = build_parser().parse_args(words[words.index(name) + 1 :])
             load_config(DEPLOY / "config" / "splitrl.yaml", args.overrides)
+        if verb == "restart":
+            assert name == "trainer" and int(option(words, "-t")) >= 60
     assert scaled
+    assert {"up", "logs", "ps", "exec", "run", "restart", "down"} <= verbs
+
+
+def test_the_smoke_check_commands_are_the_scripts_and_their_options():
+    smoke = (DEPLOY / "smoke.sh").read_text()
+    runs = [c for c in commands() if c[0] in ("deploy/smoke.sh", "deploy/engine-setup.sh")]
+    assert {c[0] for c in runs} == {"deploy/smoke.sh", "deploy/engine-setup.sh"}
+    for words in runs:
+        for w in words[1:]:
+            if w.startswith("--"):
+                assert f"    {w})" in smoke, f"{w}: not an option of deploy/smoke.sh"
+        if option(words, "--compose"):
+            assert option(words, "--compose") in ("docker-compose", "docker compose")
 
 
 def test_kubectl_commands_name_real_overlays_objects_and_ports(rendered):

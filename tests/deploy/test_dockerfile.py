@@ -142,3 +142,61 @@ def test_the_usage_lines_in_the_dockerfile_header_parse():
     roles = re.search(r"IMAGE (\S+)", header[0]).group(1).split("|")
     for role in roles:
         assert build_parser().parse_args([role]).command == role
+
+
+def stages() -> list[list[tuple[str, str]]]:
+    """The instructions of each stage (a FROM starts one)."""
+    out: list[list[tuple[str, str]]] = []
+    for op, rest in instructions():
+        if op == "FROM":
+            out.append([])
+        if out:
+            out[-1].append((op, rest))
+    return out
+
+
+def test_builds_with_the_legacy_builder_and_any_buildkit_offline():
+    first = DOCKERFILE.read_text().splitlines()[0]
+    # A parser directive (first line only) would make BuildKit pull that frontend image.
+    assert not re.match(r"#\s*syntax\s*=", first), first
+    runs = " ".join(rest for op, rest in instructions() if op == "RUN")
+    assert "--mount" not in runs  # the legacy builder refuses RUN --mount
+    assert "python -m venv" not in runs  # Debian's python3 package has no `python` command
+    assert "python3 -m venv" in runs
+
+
+def test_the_base_image_is_a_build_arg_used_by_the_build_and_final_stages():
+    ins = instructions()
+    first_from = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
+    global_args = dict(rest.split("=", 1) for op, rest in ins[:first_from] if op == "ARG")
+    assert global_args["BASE_IMAGE"] == "python:3.11-slim"
+    froms = [rest for op, rest in ins if op == "FROM"]
+    assert "${BASE_IMAGE} AS build" in froms
+    assert froms[-1] == "${BASE_IMAGE}"  # the venv's interpreter link points into this image
+
+
+def test_the_ca_bundle_reaches_the_build_stage_only():
+    ins = instructions()
+    first_from = next(i for i, (op, _) in enumerate(ins) if op == "FROM")
+    global_args = dict(rest.split("=", 1) for op, rest in ins[:first_from] if op == "ARG")
+    assert global_args["CA_IMAGE"] == "scratch"  # no bundle unless one is given
+    by_name = {st[0][1].split(" AS ")[-1]: st for st in stages() if " AS " in st[0][1]}
+    assert by_name["ca"][0] == ("FROM", "${CA_IMAGE} AS ca")
+    build = " ".join(rest for _, rest in by_name["build"])
+    assert "--from=ca / /opt/build-ca/" in build
+    assert "cert = /opt/build-ca/ca-certificates.crt" in build and "/etc/pip.conf" in build
+    final = " ".join(rest for _, rest in final_stage())
+    assert "--from=ca" not in final and "build-ca" not in final and "pip.conf" not in final
+    # Only the venv and the data come over from other stages.
+    copies = [rest for op, rest in final_stage() if op == "COPY"]
+    assert copies == ["--from=build /opt/venv /opt/venv", "--from=data / /opt/splitrl/data/"]
+
+
+def test_no_test_extra_in_the_image():
+    """torch (and the other test tools) stay out: the image installs the runtime dependencies
+    read from pyproject.toml, plus jax's accelerator extra, and the package with --no-deps."""
+    installs = [rest for op, rest in instructions() if op == "RUN" and "pip install" in rest]
+    joined = " ".join(installs)
+    assert "[test]" not in joined and "torch" not in joined
+    assert "['project']['dependencies']" in joined
+    assert "pip install --no-deps ." in joined

@@ -1,0 +1,223 @@
+"""Checks what a compose run left behind (used by ``deploy/smoke.sh``; standard library only, so
+it runs with the host's ``python3`` and no project venv).
+
+    python3 deploy/smoke_check.py --trained trained_prompts.jsonl --log trainer.log \\
+        --steps 60 --prompts-per-step 16 [--samplers samplers.tsv --expect-samplers 3] \\
+        [--expect-resume] [--expect-accuracy]
+
+What it checks, from the trainer's own records:
+
+- every step 1..steps was trained once, each on ``prompts-per-step`` prompts;
+- no prompt lost or trained twice: every uid appears once, and every draw index (the ``#N``
+  suffix the trainer gives each prompt it draws, in draw order) up to the last one is accounted
+  for, trained or recorded as filtered or dropped with a reason, so a prompt that was drawn,
+  handed to a sampler that died and never trained leaves a gap;
+- work per sampler (the ``samplers`` field), mapped to container names by ``--samplers``
+  (``NAME<TAB>ADDRESS-HOST`` lines); every expected sampler got work;
+- the accuracy line ``greedy accuracy: A -> B`` and, with ``--expect-resume``, that the trainer
+  stopped at a step and resumed from exactly that step.
+
+Exit status 0 when every check passes; the summary is printed either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ACCURACY = re.compile(r"greedy accuracy: (?P<before>[0-9.]+|nan) -> (?P<after>[0-9.]+|nan)")
+DRAW_INDEX = re.compile(r"#(\d+)$")
+STOPPED_MSG = "stopped; resume continues from this step"
+RESUMED_MSG = "resumed from checkpoint"
+
+
+@dataclass
+class Audit:
+    """What ``trained_prompts.jsonl`` says about a run."""
+
+    steps: list[int]
+    uids: int
+    duplicate_uids: list[str]
+    missing_draws: list[int]
+    set_aside: int  # filtered (zero variance) or dropped with a reason: accounted, not trained
+    per_sampler: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def audit_trained(records: list[dict], steps: int, prompts_per_step: int) -> Audit:
+    """Exactly-once accounting of a finished run's ``trained_prompts.jsonl`` records."""
+    step_list = [int(r["step"]) for r in records]
+    uids = [u for r in records for u in r["uids"]]
+    counts = Counter(uids)
+    set_aside = [u for r in records for u in r.get("filtered", [])]
+    set_aside += [d["uid"] for r in records for d in r.get("dropped", [])]
+    draws = {int(m.group(1)) for u in [*counts, *set_aside] if (m := DRAW_INDEX.search(u))}
+    per_sampler: Counter = Counter(s for r in records for s in r["samplers"])
+    out = Audit(
+        steps=step_list,
+        uids=len(uids),
+        duplicate_uids=sorted(u for u, n in counts.items() if n > 1),
+        missing_draws=sorted(set(range(max(draws, default=-1) + 1)) - draws),
+        set_aside=len(set_aside),
+        per_sampler=per_sampler,
+    )
+    if sorted(step_list) != list(range(1, steps + 1)):
+        repeated = sorted(s for s, n in Counter(step_list).items() if n > 1)
+        missing = sorted(set(range(1, steps + 1)) - set(step_list))
+        out.problems.append(f"steps: expected 1..{steps} once each, missing {missing[:10]}, "
+                            f"repeated {repeated[:10]}")
+    for r in records:
+        if len(r["uids"]) != prompts_per_step:
+            out.problems.append(f"step {r['step']}: {len(r['uids'])} prompts, expected "
+                                f"{prompts_per_step}")
+        if len(r["samplers"]) != len(r["uids"]):
+            out.problems.append(f"step {r['step']}: {len(r['samplers'])} sampler ids for "
+                                f"{len(r['uids'])} prompts")
+    if out.duplicate_uids:
+        out.problems.append(f"{len(out.duplicate_uids)} prompts trained more than once: "
+                            f"{out.duplicate_uids[:5]}")
+    undrawn = [u for u in [*counts, *set_aside] if not DRAW_INDEX.search(u)]
+    if undrawn:
+        out.problems.append(f"{len(undrawn)} uids without a '#N' draw index: {undrawn[:5]}")
+    if out.missing_draws:
+        out.problems.append(f"{len(out.missing_draws)} drawn prompts never trained nor set "
+                            f"aside (lost): draw indices {out.missing_draws[:10]}")
+    return out
+
+
+def restarted_total(counts: list[float]) -> float:
+    """The total of a counter that starts again from 0 whenever its process restarts."""
+    total = 0.0
+    for prev, cur in zip(counts, counts[1:], strict=False):
+        if cur < prev:
+            total += prev
+    return total + (counts[-1] if counts else 0.0)
+
+
+def log_records(text: str) -> list[dict]:
+    """The JSON log lines of a container log (other lines, e.g. warnings, are skipped)."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def accuracy(text: str) -> tuple[float, float] | None:
+    """The last ``greedy accuracy: before -> after`` line of the trainer's output. A resumed
+    trainer does not evaluate again before training (it prints nan): the accuracy before is
+    then the one its first start logged (the ``evaluation`` record with eval_before)."""
+    found = ACCURACY.findall(text)
+    if not found:
+        return None
+    before, after = (float(x) for x in found[-1])
+    if math.isnan(before):
+        for rec in log_records(text):
+            if rec.get("msg") == "evaluation" and "eval_before/accuracy" in rec:
+                before = float(rec["eval_before/accuracy"])
+                break
+    return before, after
+
+
+def resumes(text: str) -> list[tuple[int, int]]:
+    """(step the trainer stopped at, step it resumed from) for every stop followed by a start."""
+    pairs = []
+    stopped = None
+    for rec in log_records(text):
+        if rec.get("msg") == STOPPED_MSG:
+            stopped = int(rec["step"])
+        elif rec.get("msg") == RESUMED_MSG:
+            pairs.append((-1 if stopped is None else stopped, int(rec["step"])))
+            stopped = None
+    return pairs
+
+
+def sampler_names(path: Path | None) -> dict[str, str]:
+    """Address host -> container name, from ``NAME<TAB>HOST`` lines."""
+    if path is None:
+        return {}
+    names = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            name, host = line.split("\t")
+            names[host.strip()] = name.strip().lstrip("/")
+    return names
+
+
+def check(args: argparse.Namespace) -> int:
+    problems: list[str] = []
+    result = audit_trained(read_jsonl(args.trained), args.steps, args.prompts_per_step)
+    problems += result.problems
+    names = sampler_names(args.samplers)
+    print(f"steps trained: {len(result.steps)} (expected {args.steps}); prompts trained: "
+          f"{result.uids}; filtered or dropped with a reason: {result.set_aside}; trained "
+          f"twice: {len(result.duplicate_uids)}; lost: {len(result.missing_draws)}")
+    print("work per sampler (prompts):")
+    for sampler_id, n in sorted(result.per_sampler.items()):
+        host = sampler_id.rsplit(":", 1)[0]
+        print(f"  {names.get(host, '?'):<28} {sampler_id:<24} {n}")
+    if args.expect_samplers:
+        if len(result.per_sampler) != args.expect_samplers:
+            problems.append(f"{len(result.per_sampler)} samplers got work, expected "
+                            f"{args.expect_samplers}")
+        idle = sorted(set(names.values()) - {names.get(s.rsplit(':', 1)[0])
+                                             for s in result.per_sampler})
+        if idle:
+            problems.append(f"samplers that got no work: {idle}")
+    if args.metrics:
+        counts = [m["counts/redispatched"] for m in read_jsonl(args.metrics)
+                  if "counts/redispatched" in m]
+        print(f"prompts re-dispatched after a sampler failed: {int(restarted_total(counts))}")
+    log = args.log.read_text() if args.log else ""
+    acc = accuracy(log)
+    if acc is None:
+        problems.append("no 'greedy accuracy: A -> B' line in the trainer log")
+    else:
+        print(f"greedy accuracy: {acc[0]:.3f} -> {acc[1]:.3f}")
+        if args.expect_accuracy and not acc[1] > acc[0]:
+            problems.append(f"accuracy did not improve: {acc[0]:.3f} -> {acc[1]:.3f}")
+    if args.expect_resume:
+        pairs = resumes(log)
+        print(f"trainer stops and resumes (stopped at step, resumed from step): {pairs}")
+        if not pairs:
+            problems.append("the trainer never resumed from a checkpoint")
+        for stopped, resumed in pairs:
+            if stopped != resumed or resumed <= 0:
+                problems.append(f"stopped at step {stopped} but resumed from step {resumed}")
+    for p in problems:
+        print(f"FAILED: {p}")
+    print("all checks passed" if not problems else f"{len(problems)} checks failed")
+    return 0 if not problems else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trained", type=Path, required=True, help="trained_prompts.jsonl")
+    p.add_argument("--log", type=Path, help="the trainer container's log")
+    p.add_argument("--metrics", type=Path, help="metrics.jsonl (re-dispatch count)")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--prompts-per-step", type=int, required=True)
+    p.add_argument("--samplers", type=Path, help="NAME<TAB>HOST lines, one per sampler")
+    p.add_argument("--expect-samplers", type=int, default=0)
+    p.add_argument("--expect-resume", action="store_true")
+    p.add_argument("--expect-accuracy", action="store_true",
+                   help="fail unless the accuracy after training beats the one before")
+    return check(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""deploy/smoke_check.py, the audit `deploy/smoke.sh` runs on what a compose run left behind:
+it must pass a clean run and catch every way a run can lose, repeat or misreport work. The
+records here are shaped like the trainer's (``trained_prompts.jsonl``, JSON log lines)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+from deploy_helpers import DEPLOY
+
+spec = importlib.util.spec_from_file_location("smoke_check", DEPLOY / "smoke_check.py")
+smoke_check = importlib.util.module_from_spec(spec)
+sys.modules["smoke_check"] = smoke_check
+spec.loader.exec_module(smoke_check)
+
+PER_STEP = 4
+
+
+def run_records(steps: int, samplers=("10.0.0.2:50300", "10.0.0.3:50300")) -> list[dict]:
+    out = []
+    for step in range(1, steps + 1):
+        first = (step - 1) * PER_STEP
+        uids = [f"arith-{i % 7}+1#{i}" for i in range(first, first + PER_STEP)]
+        out.append({"step": step, "uids": uids, "versions": [step - 1] * PER_STEP,
+                    "samplers": [samplers[i % len(samplers)] for i in range(PER_STEP)],
+                    "trainer_version": step - 1})
+    return out
+
+
+def test_a_clean_run_passes_and_counts_work_per_sampler():
+    audit = smoke_check.audit_trained(run_records(5), 5, PER_STEP)
+    assert audit.problems == []
+    assert audit.uids == 20 and audit.missing_draws == [] and audit.duplicate_uids == []
+    assert audit.per_sampler == {"10.0.0.2:50300": 10, "10.0.0.3:50300": 10}
+
+
+def test_a_lost_prompt_is_a_gap_in_the_draw_indices():
+    records = run_records(5)
+    # The prompt drawn as #6 died with its sampler; the trainer drew #20 to fill the batch.
+    records[1]["uids"][2] = "arith-3+1#20"
+    audit = smoke_check.audit_trained(records, 5, PER_STEP)
+    assert audit.missing_draws == [6]
+    assert any("lost" in p for p in audit.problems)
+
+
+def test_prompts_set_aside_with_a_reason_are_accounted_for_not_lost():
+    records = run_records(5)
+    # Step 2 filtered #6 (zero variance) and dropped #7 (too long); #20 and #21 refilled it.
+    records[1]["uids"][2:4] = ["arith-3+1#20", "arith-4+1#21"]
+    records[1]["filtered"] = ["arith-6+1#6"]
+    records[1]["dropped"] = [{"uid": "arith-0+1#7", "reason": "prompt too long"}]
+    audit = smoke_check.audit_trained(records, 5, PER_STEP)
+    assert audit.problems == [] and audit.set_aside == 2 and audit.missing_draws == []
+    records[1]["dropped"] = []
+    assert smoke_check.audit_trained(records, 5, PER_STEP).missing_draws == [7]
+
+
+def test_a_prompt_trained_twice_is_reported():
+    records = run_records(5)
+    records[3]["uids"][0] = records[2]["uids"][0]
+    audit = smoke_check.audit_trained(records, 5, PER_STEP)
+    assert audit.duplicate_uids == [records[2]["uids"][0]]
+    assert any("more than once" in p for p in audit.problems)
+
+
+def test_missing_or_repeated_steps_and_short_batches_are_reported():
+    records = run_records(5)
+    repeated = records[:3] + [dict(records[2])] + records[4:]  # step 4 missing, step 3 twice
+    problems = smoke_check.audit_trained(repeated, 5, PER_STEP).problems
+    assert any("missing [4]" in p and "repeated [3]" in p for p in problems)
+    short = run_records(5)
+    short[0]["uids"] = short[0]["uids"][:3]
+    short[0]["samplers"] = short[0]["samplers"][:3]
+    assert any("3 prompts, expected 4" in p
+               for p in smoke_check.audit_trained(short, 5, PER_STEP).problems)
+
+
+def _log(*records: dict, text: str = "") -> str:
+    lines = ["[transformers] PyTorch was not found."]
+    lines += [json.dumps({"level": "info", **r}) for r in records]
+    return "\n".join(lines) + "\n" + text
+
+
+def test_resume_pairs_a_stop_with_the_next_start():
+    log = _log({"msg": "step", "step": 19},
+               {"msg": "stopped; resume continues from this step", "step": 20},
+               {"msg": "resumed from checkpoint", "step": 20, "requeued": 16})
+    assert smoke_check.resumes(log) == [(20, 20)]
+    crashed = _log({"msg": "resumed from checkpoint", "step": 15})  # no stop logged
+    assert smoke_check.resumes(crashed) == [(-1, 15)]
+
+
+def test_accuracy_is_the_last_line_the_trainer_printed():
+    log = _log(text="greedy accuracy: 0.040 -> 0.880\n")
+    assert smoke_check.accuracy(log) == (0.04, 0.88)
+    assert smoke_check.accuracy(_log()) is None
+    resumed = _log({"msg": "evaluation", "eval_before/accuracy": 0.08, "step": 0},
+                   {"msg": "resumed from checkpoint", "step": 20},
+                   text="greedy accuracy: nan -> 0.520\n")
+    assert smoke_check.accuracy(resumed) == (0.08, 0.52)
+
+
+def test_a_restarted_counter_is_summed_over_its_processes():
+    assert smoke_check.restarted_total([0, 2, 5, 0, 1, 3]) == 8
+    assert smoke_check.restarted_total([]) == 0
+
+
+@pytest.fixture
+def run_files(tmp_path):
+    def write(records, log_text, samplers_tsv):
+        trained = tmp_path / "trained_prompts.jsonl"
+        trained.write_text("".join(json.dumps(r) + "\n" for r in records))
+        log = tmp_path / "trainer.log"
+        log.write_text(log_text)
+        tsv = tmp_path / "samplers.tsv"
+        tsv.write_text(samplers_tsv)
+        return ["--trained", str(trained), "--log", str(log), "--samplers", str(tsv),
+                "--steps", "5", "--prompts-per-step", str(PER_STEP)]
+
+    return write
+
+
+def test_the_command_fails_when_an_expected_sampler_got_no_work(run_files, capsys):
+    tsv = "/p-sampler-1\t10.0.0.2\n/p-sampler-2\t10.0.0.3\n/p-sampler-3\t10.0.0.4\n"
+    args = run_files(run_records(5), _log(text="greedy accuracy: 0.0 -> 0.5\n"), tsv)
+    assert smoke_check.main([*args, "--expect-samplers", "3"]) == 1
+    out = capsys.readouterr().out
+    assert "samplers that got no work: ['p-sampler-3']" in out
+    assert "p-sampler-1" in out and "10.0.0.2:50300" in out
+
+
+def test_the_command_passes_a_clean_resumed_run_and_checks_accuracy(run_files, capsys):
+    log = _log({"msg": "stopped; resume continues from this step", "step": 3},
+               {"msg": "resumed from checkpoint", "step": 3},
+               text="greedy accuracy: 0.100 -> 0.600\n")
+    args = run_files(run_records(5), log, "/p-sampler-1\t10.0.0.2\n/p-sampler-2\t10.0.0.3\n")
+    assert smoke_check.main([*args, "--expect-samplers", "2", "--expect-resume",
+                             "--expect-accuracy"]) == 0
+    assert "all checks passed" in capsys.readouterr().out
+    worse = run_files(run_records(5), _log(text="greedy accuracy: 0.5 -> 0.5\n"), "")
+    assert smoke_check.main([*worse, "--expect-accuracy"]) == 1
+    no_resume = run_files(run_records(5), _log(text="greedy accuracy: 0.1 -> 0.5\n"), "")
+    assert smoke_check.main([*no_resume, "--expect-resume"]) == 1
