@@ -273,6 +273,10 @@ class PushConfig(Section):
     timeout_s: PositiveFloat = 300.0
     # A data-plane peer that says nothing for this long has failed.
     idle_timeout_s: PositiveFloat = 30.0
+    # Once one sampler has a push, the trainer waits this long for the others and goes on; a
+    # slow or stopped sampler's push finishes (or fails) in the background, and it gets work
+    # again once it holds recent enough weights.
+    straggler_wait_s: PositiveFloat = 10.0
 
 
 class TrainerConfig(Section):

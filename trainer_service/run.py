@@ -528,13 +528,15 @@ def _push_metrics(results: list[PushResult] | None) -> dict[str, float]:
     if results is None:
         return {}
     pushed = [r for r in results if r.ok]
+    background = [r for r in results if r.background]
     return {
         "push/seconds": max((r.seconds for r in pushed), default=0.0),
         "push/mb": sum(r.bytes for r in pushed) / 2**20,
         "push/full_mb": sum(r.full_bytes for r in pushed) / 2**20,
         "push/egress_mb": sum(r.egress_bytes for r in results) / 2**20,
         "push/delta": float(sum(r.delta for r in pushed)),
-        "push/failed": float(len(results) - len(pushed)),
+        "push/failed": float(len(results) - len(pushed) - len(background)),
+        "push/background": float(len(background)),
     }
 
 

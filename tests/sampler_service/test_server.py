@@ -338,6 +338,9 @@ def test_a_prompt_with_its_own_seed_samples_the_same_in_any_request(sampler):
      "prompts[0].token_ids: ids must be in [0,"),
     ({"prompts": [common_pb2.Prompt(token_ids=[3] * 45)]}, "INVALID_ARGUMENT",
      "exceeds the sampler's max_sequence_length 48"),
+    ({"prompts": [common_pb2.Prompt(text="1+1=" * 500_000)]}, "INVALID_ARGUMENT",
+     "prompts[0].text: 2000000 characters cannot fit the sampler's max_sequence_length 48 "
+     "(refused before tokenizing"),
     ({"sampling": common_pb2.SamplingParams(temperature=-1.0)}, "INVALID_ARGUMENT",
      "sampling.temperature"),
     ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, "INVALID_ARGUMENT", "sampling.top_p"),

@@ -229,6 +229,23 @@ def test_checkpoint_snapshot_holds_queued_inflight_and_buffered_items_once():
     assert restored.outstanding() == 5 and restored.unfinished()[0].seq == 0
 
 
+def test_a_group_taken_before_its_request_ends_is_not_in_the_snapshot():
+    # An adaptive lane buffers each group as it arrives: the first of a request's groups can be
+    # trained while the sampler still streams the rest. A checkpoint then must not list it as
+    # unfinished (a resume would train it twice), nor count it as outstanding.
+    q = queue(staleness=1)
+    q.add(items(3))
+    claim = q.claim("s0", 0, capacity=8)
+    assert len(claim.items) == 3
+    serve(q, claim, only={"p0#0"})
+    assert [g.item.uid for g in q.take(TRAIN, 1).groups] == ["p0#0"]
+    assert [i.uid for i in q.unfinished(TRAIN)] == ["p1#1", "p2#2"]
+    assert q.outstanding() == 2 and q.inflight_by_sampler() == {"s0": 2}
+    serve(q, claim, only={"p1#1", "p2#2"})
+    q.finish(claim.request_id)
+    assert q.outstanding() == 2 and q.inflight_by_sampler() == {}
+
+
 def test_evaluation_goes_first_and_needs_the_current_version():
     q = queue(staleness=2)
     q.set_version(3)
