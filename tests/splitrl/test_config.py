@@ -165,6 +165,9 @@ def test_weight_sync_keys_are_typed_and_checked():
         load_config(None, ["sampler.data_port=70000"])
     with pytest.raises(ConfigError, match=r"sampler\.push_idle_timeout_s: expected a value > 0"):
         load_config(None, ["sampler.push_idle_timeout_s=0"])
+    with pytest.raises(ConfigError,
+                       match=r"trainer\.push\.straggler_wait_s: expected a value > 0, got -1"):
+        load_config(None, ["trainer.push.straggler_wait_s=-1.0"])
     with pytest.raises(ConfigError, match=r"trainer\.push\.transport"):
         load_config(None, ["trainer.push.transport=carrier-pigeon"])
     with pytest.raises(ConfigError, match=r"sampler\.dtype"):
