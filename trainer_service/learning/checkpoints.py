@@ -124,8 +124,9 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> Checkpoint:
-        """Restore `step` (default: the latest) onto the shardings of `abstract_state`."""
+    def meta(self, step: int | None = None) -> dict:
+        """The JSON metadata of `step` (default: the latest): step, weight version, data cursor
+        and the config of the run that saved it, without reading any array."""
         self.wait()
         if step is None:
             step = self.latest_step()
@@ -135,9 +136,14 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}"
             )
-        meta = self._manager.restore(
+        return self._manager.restore(
             step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
         ).meta
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> Checkpoint:
+        """Restore `step` (default: the latest) onto the shardings of `abstract_state`."""
+        meta = self.meta(step)
+        step = int(meta["step"])
         abstract = {"train": abstract_state}
         if meta.get("rng_impl") is not None:
             abstract["rng"] = jax.ShapeDtypeStruct(
