@@ -2,7 +2,8 @@
 
 - RPCs: every channel from ``splitrl.serving.make_channel`` carries gRPC's own retry policy
   (:data:`SERVICE_CONFIG`, gRPC's service config): a call to an idempotent method that fails
-  with UNAVAILABLE (a peer restarting, a connection reset) is retried with exponential back-off
+  with UNAVAILABLE (a peer restarting, a connection reset) or RESOURCE_EXHAUSTED (a server
+  busy with as many calls as it takes) is retried with exponential back-off
   by gRPC itself, before our code sees an error. Rollouts and weight pushes are not retried
   there: the rollout queue and the weight publisher decide what to do with a failed one.
 - Waiting for a condition (a service healthy, a sampler ready): :func:`wait_until`.
@@ -36,7 +37,8 @@ SERVICE_CONFIG = json.dumps({"methodConfig": [{
         "initialBackoff": "0.1s",
         "maxBackoff": "1s",
         "backoffMultiplier": 2,
-        "retryableStatusCodes": ["UNAVAILABLE"],
+        # RESOURCE_EXHAUSTED: a server whose threads are all busy (splitrl.serving's limit).
+        "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
     },
 }]})
 

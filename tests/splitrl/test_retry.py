@@ -14,15 +14,16 @@ from splitrl.v1 import reward_pb2, reward_pb2_grpc, sampler_pb2, sampler_pb2_grp
 
 
 class _FlakyReward(reward_pb2_grpc.RewardServicer):
-    """Unavailable on the first call of each method, then answers."""
+    """Fails the first call (restarting, or busy with other calls), then answers."""
 
     def __init__(self):
         self.calls = []
+        self.first = grpc.StatusCode.UNAVAILABLE
 
     def ListRewardFunctions(self, request, context):
         self.calls.append("ListRewardFunctions")
         if len(self.calls) == 1:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+            context.abort(self.first, "restarting or busy")
         return reward_pb2.ListRewardFunctionsReply()
 
 
@@ -47,8 +48,11 @@ def server():
     srv.stop(None)
 
 
-def test_an_idempotent_call_that_meets_unavailable_is_retried_by_grpc(server):
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_an_idempotent_call_that_meets_unavailable_or_busy_is_retried_by_grpc(server, code):
     address, reward, _ = server
+    reward.first = code
     with make_channel(address) as channel:
         reward_pb2_grpc.RewardStub(channel).ListRewardFunctions(
             reward_pb2.ListRewardFunctionsRequest(), timeout=10)
