@@ -72,7 +72,9 @@ def test_a_sampler_dying_mid_request_hands_its_prompts_to_another(samplers):
     lane = Lane(TRAIN, 2, SAMPLING)  # adaptive: a fair share to each
     taken, queue = run_dispatch(pool, lane, work(8))
     assert [g.item.seq for g in taken.groups] == list(range(8))
-    assert queue.counts["redispatched"] >= 1 and queue.outstanding() == 0
+    requests = {s.name: [len(r.prompts) for r in s.requests] for s in (dying, healthy)}
+    assert queue.counts["redispatched"] >= 1, (dict(queue.counts), requests)
+    assert queue.outstanding() == 0, (dict(queue.counts), requests)
     by = {g.sampler_id for g in taken.groups}
     assert "healthy" in by
     handle = next(h for h in pool.all() if h.sampler_id == "dying")

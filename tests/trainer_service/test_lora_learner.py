@@ -116,7 +116,7 @@ def test_checkpoints_resume_exactly_and_refuse_another_kind_of_train_state(tmp_p
                       learner_meta=first.checkpoint_meta())
     again = learner()
     with Checkpointer(tmp_path, every=2, keep=1, async_save=False) as ckpt:
-        again.check_checkpoint_meta(ckpt.read_meta()["learner"])
+        again.check_checkpoint_meta(ckpt.meta()["learner"])
         restored = ckpt.restore(again.abstract_train_state())
     assert restored.step == 4 and restored.learner_meta["lora"]["rank"] == 4
     again.load_train_state(restored.state, restored.step)

@@ -6,7 +6,7 @@ A checkpoint at train step `step` holds two orbax items:
   meta   JSON (JsonSave): step, weight version, the data cursor (an opaque JSON dict from the
          data pipeline), the PRNG implementation, the run's config and what the learner says
          its train state was made with (`Learner.checkpoint_meta()`: LoRA rank, targets and
-         base checkpoint), which `read_meta` returns before any array is restored
+         base checkpoint), which `meta` returns before any array is restored
 
     ckpt = Checkpointer.from_config(cfg.trainer.checkpoint, run_dir)
     ckpt.save(step, learner.train_state(), weight_version=v, data_cursor=cursor, rng=key,
@@ -129,8 +129,9 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def read_meta(self, step: int | None = None) -> dict:
-        """The JSON metadata of `step` (default: the latest), without restoring any array."""
+    def meta(self, step: int | None = None) -> dict:
+        """The JSON metadata of `step` (default: the latest): step, weight version, data cursor
+        and the config of the run that saved it, without reading any array."""
         self.wait()
         step = self._existing(step)
         return self._manager.restore(
@@ -151,7 +152,7 @@ class Checkpointer:
     def restore(self, abstract_state: Any, step: int | None = None) -> Checkpoint:
         """Restore `step` (default: the latest) onto the shardings of `abstract_state`."""
         step = self._existing(step)
-        meta = self.read_meta(step)
+        meta = self.meta(step)
         abstract = {"train": abstract_state}
         if meta.get("rng_impl") is not None:
             abstract["rng"] = jax.ShapeDtypeStruct(

@@ -168,7 +168,8 @@ def test_the_model_lora_section_starts_fresh_or_from_a_peft_adapter(checkpoint, 
         lora_lib.from_section(LoraConfig(target_modules=".*nothing"), model.config)
     for bad, message in ((dict(target_modules="(q_proj"), "not a valid regex"),
                          (dict(target_modules=[]), "non-empty list"),
-                         (dict(dropout=1.0), "lora.dropout"), (dict(rank=0), "lora.rank")):
+                         (dict(dropout=1.0), "dropout: expected a value < 1"),
+                         (dict(rank=0), "rank: expected a value > 0")):
         with pytest.raises(ConfigError, match=message):
             LoraConfig(**bad)
 
