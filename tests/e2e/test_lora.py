@@ -85,6 +85,17 @@ def test_lora_grpo_learns_survives_kill_9_and_exports_a_peft_adapter(arith_model
     assert len(pushed) >= steps - every and all(b % adapter_bytes == 0 for b in pushed)
 
     _peft_matches_the_export(arith_model, run_dir / "export")
+    # `splitrl export` of the final checkpoint gives the same adapter.
+    from safetensors.numpy import load_file
+
+    from trainer_service.learning.export import export_checkpoint
+
+    again, step, _ = export_checkpoint(run_dir, tmp_path / "again")
+    assert step == steps
+    ours = load_file(run_dir / "export" / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(again / "adapter" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(np.array_equal(ours[k], theirs[k]) for k in ours)
 
 
 def _peft_matches_the_export(base_dir, export):
