@@ -457,6 +457,9 @@ class ServicesConfig(Section):
     num_samplers: NonNegativeInt = 2
     heartbeat_s: PositiveFloat = 2.0
     sampler_timeout_s: float = 10.0
+    # How long the trainer waits for a ready sampler (at start, and whenever none is left)
+    # before it gives up with an error.
+    sampler_wait_s: PositiveFloat = 600.0
     metrics_port: int | None = None
     auth: AuthConfig = Field(default_factory=AuthConfig)
 

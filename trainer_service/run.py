@@ -349,9 +349,10 @@ class TrainerRun:
         log.info("sampler synced", extra={"address": handle.address, "ok": result.ok,
                                           "version": version, "error": result.error})
 
-    def _wait_for_samplers(self, timeout_s: float = 600.0) -> None:
+    def _wait_for_samplers(self) -> None:
         wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
-                   timeout_s=timeout_s, stop=self.stop_event, what="a sampler ready")
+                   timeout_s=self.cfg.services.sampler_wait_s, stop=self.stop_event,
+                   what="a sampler ready (services.sampler_wait_s)")
 
     # -- checkpoint / resume --------------------------------------------------------------
 
