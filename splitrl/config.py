@@ -39,6 +39,39 @@ from splitrl.config_base import (  # noqa: F401  (re-exported: the config's publ
 from splitrl.recipes import apply_recipe
 
 
+class LoraConfig(Section):
+    """LoRA adapters, as in PEFT (``splitrl/models/lora.py``, docs/lora.md): only the adapters
+    train, the base stays frozen, pushes carry only the adapters, the export adds a PEFT adapter
+    directory.
+
+    ``target_modules``: a regex that must match a whole Linear module name (PEFT's rule; the
+    parameter name ``<module>.weight`` counts too), or a list of module names or their last
+    part. ``path``: a PEFT adapter directory to start from; then rank, alpha and
+    target_modules left unset are the adapter's. Unset without ``path``: rank 16, alpha
+    2 x rank, every attention and MLP projection. ``dropout`` applies to the adapters' inputs
+    in the trainer's forward.
+    """
+
+    rank: PositiveInt | None = None
+    alpha: PositiveFloat | None = None
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: str | list[str] | None = None
+    path: str | None = None
+
+    def model_post_init(self, _context) -> None:
+        if isinstance(self.target_modules, str):
+            import re
+
+            try:
+                re.compile(self.target_modules)
+            except re.error as e:
+                raise ConfigError(f"lora.target_modules: {self.target_modules!r} is not a "
+                                  f"valid regex: {e}") from None
+        elif self.target_modules is not None and not self.target_modules:
+            raise ConfigError("lora.target_modules: expected a regex or a non-empty list of "
+                              "module names, got []")
+
+
 class ModelSection(Section):
     """Which checkpoint the policy starts from (a local Hugging Face directory or a hub name)."""
 
@@ -46,6 +79,8 @@ class ModelSection(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Attention/logit chunking for the training path (tokens per chunk).
     logprob_chunk_size: PositiveInt = 256
+    # LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on.
+    lora: LoraConfig | None = None
 
 
 class MeshConfig(Section):

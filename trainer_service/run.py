@@ -39,13 +39,13 @@ import numpy as np
 from splitrl.config import Config, dump_config, to_dict
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
-from splitrl.models import from_pretrained
+from splitrl.models import from_pretrained, param_shapes
 from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
 from trainer_service.learning.batching import build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer
-from trainer_service.learning.export import export_hf
+from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
 from trainer_service.orchestration.evaluation import (
@@ -114,6 +114,8 @@ class TrainerRun:
         self.mesh = build_mesh(tcfg.mesh)
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
         self.learner = Learner.from_config(model, cfg, self.mesh)
+        log.info("learner state", extra={  # what LoRA saves shows here (bench/lora_memory.py)
+            f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
         self.version = 0  # of the weights; +1 per update
         self.step = 0
@@ -127,7 +129,10 @@ class TrainerRun:
                                             metadata=self.metadata, run_dir=self.run_dir,
                                             sync_new_sampler=self._sync_new_sampler,
                                             identity=ModelIdentity.of(
-                                                model.config.architecture, self.learner.params))
+                                                model.config.architecture,
+                                                param_shapes(model.config),
+                                                self.learner.base_fingerprint),
+                                            lora=self.learner.lora)
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)
@@ -356,7 +361,12 @@ class TrainerRun:
         self.resumed_from: int | None = None
         if self.checkpointer.latest_step() is None:
             return
-        check_resume(self.cfg, self.checkpointer.meta(), str(self.run_dir))  # same run only
+        meta = self.checkpointer.meta()
+        check_resume(self.cfg, meta, str(self.run_dir))  # same run only
+        # The train state's kind (LoRA or not, rank, targets, base): even trainer.resume=force
+        # cannot load adapters onto other weights.
+        self.learner.check_checkpoint_meta(meta.get("learner"),
+                                           where=f"checkpoint in {self.checkpointer.directory}")
         ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
         self.resumed_from = ckpt.step
         self.learner.load_train_state(ckpt.state, ckpt.step)
@@ -395,7 +405,8 @@ class TrainerRun:
         self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
         self.checkpointer.save(self.step, self.learner.train_state(),
                                weight_version=self.version, data_cursor=cursor,
-                               config=to_dict(self.cfg), force=True)
+                               config=to_dict(self.cfg),
+                               learner_meta=self.learner.checkpoint_meta(), force=True)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -430,8 +441,7 @@ class TrainerRun:
                 self._checkpoint(force=True)
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
-            export_hf(self._policy_model(), self.run_dir / "export",
-                      source_dir=self.cfg.model.path)
+            self._export()
             self.status.state = "done"
             return self._summary(summary)
         except InterruptedError:
@@ -478,6 +488,16 @@ class TrainerRun:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def _export(self) -> None:
+        """The policy as a Hugging Face model in ``export/``; with LoRA also the adapters as a
+        PEFT directory ``export/adapter/`` (for the base checkpoint ``model.path``)."""
+        out = self.run_dir / "export"
+        params = self._host_trained_params()
+        export_hf(self._policy_model(params), out, source_dir=self.cfg.model.path)
+        if self.learner.lora is not None:
+            export_adapter(self.learner.lora, params, out / "adapter",
+                           config=self.learner.config, base_model=self.cfg.model.path)
+
     def _eval_due(self) -> bool:
         """``trainer.eval_every``: a periodic evaluation after this step (the last step's is
         eval_after's when that is on)."""
@@ -486,14 +506,21 @@ class TrainerRun:
             return False
         return self.step < tcfg.steps or not tcfg.eval_after
 
-    def _policy_model(self):
+    def _host_trained_params(self):
+        """The trained params now (the adapters with LoRA): the learner's own (one process), or
+        the leader's gathered copy (multi-host; the final step's push gathered them)."""
+        if not self.hosts.multi:
+            return self.learner.params
+        params, version = self.hosts.gathered
+        if version != self.version:
+            params = self._params_for_push()
+        return params
+
+    def _policy_model(self, params):
         """The current policy as an nnx model on this host (for the export)."""
         if not self.hosts.multi:
             return self.learner.model()
-        params, version = self.hosts.gathered  # the final step's push gathered them
-        if version != self.version:
-            params = self._params_for_push()
-        return host_model(self.learner, params)
+        return host_model(self.learner, params, base_path=self.cfg.model.path)
 
     def _follow(self) -> dict[str, float]:
         """A follower's run: the leader's train steps, gathers and checkpoints, on its word."""

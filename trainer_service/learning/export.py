@@ -1,6 +1,9 @@
-"""Export the trained policy as a Hugging Face model directory that `transformers` loads.
+"""Export the trained policy as a Hugging Face model directory that `transformers` loads, and
+LoRA adapters as a PEFT directory that `peft.PeftModel.from_pretrained(base, dir)` loads.
 
     export_hf(learner.model(), "runs/x/export", source_dir=cfg.model.path)
+    export_adapter(learner.lora, learner.params, "runs/x/export/adapter",
+                   config=learner.config, base_model=cfg.model.path)
     export_checkpoint("runs/x", "runs/x/step-50")     # splitrl export: any saved step
 
 writes config.json, generation_config.json and safetensors weights (`splitrl.models.
@@ -15,7 +18,9 @@ import os
 import shutil
 from pathlib import Path
 
-from splitrl.models import CausalLM, save_pretrained
+from splitrl.models import CausalLM, TransformerConfig, save_pretrained
+from splitrl.models.lora import LoraSpec
+from splitrl.models.peft_io import save_adapter
 
 CHECKPOINTS = "checkpoints"
 
@@ -58,6 +63,13 @@ def export_hf(
     return out
 
 
+def export_adapter(spec: LoraSpec, adapters, out_dir: str | os.PathLike, *,
+                   config: TransformerConfig, base_model: str | None) -> Path:
+    """Write the adapters (any placement; gathered to the host) as a PEFT LoRA directory
+    (adapter_config.json + adapter_model.safetensors) for the base checkpoint `base_model`."""
+    return save_adapter(spec, adapters, out_dir, config=config, base_model=base_model)
+
+
 def checkpoint_location(path: str | os.PathLike) -> tuple[Path, int | None]:
     """(the checkpoint directory, the step or None for the latest) for a run directory, its
     ``checkpoints`` directory or one step's directory (``runs/x/checkpoints/50``)."""
@@ -78,7 +90,8 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *,
     """Write the policy of a trainer checkpoint (the latest, or ``step``) as a Hugging Face
     directory. The checkpoint's own config says which model it trains (``model.path``: its
     architecture and tokenizer); ``base_model`` replaces that path when the run was made
-    elsewhere. Returns (the directory, the step, the run's config)."""
+    elsewhere. A LoRA run's checkpoint (adapters) gives the merged model and ``adapter/``, a
+    PEFT directory. Returns (the directory, the step, the run's config)."""
     import jax
     import numpy as np
 
@@ -100,10 +113,15 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *,
             raise FileNotFoundError(
                 f"the run's model {model_path} (model.path) is not here: pass the directory of "
                 "the model it started from (splitrl export --base-model DIR)")
+        cfg.model.path = str(model_path)  # LoRA: the base the adapters apply to
         model = from_pretrained(model_path, dtype=cfg.model.dtype)
         one_device = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
         learner = Learner.from_config(model, cfg, one_device)  # the arrays come to this host
+        learner.check_checkpoint_meta(meta.get("learner"), where=f"checkpoint in {directory}")
         restored = checkpointer.restore(learner.abstract_train_state(), int(meta["step"]))
     learner.load_train_state(restored.state, restored.step)
     out = export_hf(learner.model(), out_dir, source_dir=model_path, dtype=dtype)
+    if learner.lora is not None:  # and the adapters as PEFT has them, beside the merged model
+        export_adapter(learner.lora, learner.params, out / "adapter", config=learner.config,
+                       base_model=str(model_path))
     return out, restored.step, cfg
