@@ -16,11 +16,11 @@ it (gRPC ``PushWeights`` through :meth:`WeightStore.apply_push`, or the bulk dat
    regions, offsets, duplicates, CRC-32C; deltas decoded against the served bytes) and
    assembled on the host one tensor at a time;
 3. the bytes are assembled per device shard of the sampler's own ``NamedSharding`` (in 64-byte
-   aligned host buffers, straight from the socket where the regions allow it); as soon as a
-   tensor is complete each shard goes to its device (``jax.device_put``: on CPU it aliases the
-   buffer, no copy) and a finiteness check of each shard is started on its device
-   (asynchronously: it runs while later tensors arrive). A tensor a delta left bitwise
-   unchanged keeps the served array;
+   aligned host buffers of the store's :class:`splitrl.wire.StagingPool`, reused from push to
+   push once nothing refers to them; straight from the socket where the regions allow it) and
+   every float chunk is checked for NaN/Inf as it lands; as soon as a tensor is complete each
+   shard goes to its device (``jax.device_put``: on CPU it aliases the buffer, no copy). A
+   tensor a delta left bitwise unchanged keeps the served array;
 4. :meth:`PushSession.finish`: all tensors arrived (else INVALID_ARGUMENT naming the missing
    ones), are on device, and are finite (else INVALID_ARGUMENT naming the tensors with NaN/Inf
    and how many: a diverged trainer must not poison the samplers);
@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import grpc
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -67,20 +66,6 @@ class PushResult:
     seconds: float
     swap_seconds: float
     decoded_bytes: int = 0  # the weights' bytes (more than bytes_received for a delta)
-
-
-@jax.jit
-def _finite_shard(x: jax.Array) -> jax.Array:
-    """False iff ``x`` holds a NaN or an Inf: max(|x|) is NaN or Inf then (one read of x; ~3x
-    faster on XLA:CPU than counting them)."""
-    return jnp.isfinite(jnp.max(jnp.abs(x))) if x.size else jnp.bool_(True)
-
-
-def _finite(array: jax.Array) -> list[jax.Array]:
-    """:func:`_finite_shard` of every shard, each on the device that holds it (small programs
-    per device: no collective, which on XLA:CPU could wait forever on a generation program
-    holding the other devices)."""
-    return [_finite_shard(s.data) for s in array.addressable_shards if s.replica_id == 0]
 
 
 def _device_blocks(sharding: NamedSharding, shape) -> dict[jax.Device, wire.Bounds]:
@@ -111,9 +96,9 @@ class PushSession:
             store.manifest, version=header.version, max_chunk_bytes=store.max_chunk_bytes,
             tensor_count=header.tensor_count, total_bytes=header.total_bytes,
             base=(lambda name: np.asarray(jax.device_get(served[name]))) if served else None,
-            blocks={n: sorted(set(b.values())) for n, b in store.device_blocks.items()})
+            blocks={n: sorted(set(b.values())) for n, b in store.device_blocks.items()},
+            allocate=store.staging.take)
         self.staged: dict[str, jax.Array] = {}
-        self._finite: dict[str, list[jax.Array]] = {}
         self._finished = False
         self._closed = False
 
@@ -146,8 +131,6 @@ class PushSession:
         array = jax.make_array_from_single_device_arrays(
             self.store.manifest[name][1], self.store.shardings[name], shards)
         self.staged[name] = array
-        if wire.dtype_name(array.dtype) in wire.FLOAT_DTYPES:
-            self._finite[name] = _finite(array)  # dispatched; read in finish()
 
     # -- completion -------------------------------------------------------------------------
 
@@ -155,8 +138,7 @@ class PushSession:
         """Every tensor arrived, is on device and is finite; else :class:`WireError`."""
         self.assembler.finish()
         jax.block_until_ready(self.staged)
-        finite = jax.device_get(self._finite)
-        bad = sorted(n for n, flags in finite.items() if not all(bool(f) for f in flags))
+        bad = self.assembler.nonfinite_names()
         if bad:
             names = ", ".join(f"{n!r} ({_count_nonfinite(self.staged[n])} of "
                               f"{self.staged[n].size} values)" for n in bad[:5])
@@ -198,7 +180,9 @@ class PushSession:
         if self._closed:
             return
         self._closed = True
-        self.staged, self._finite, self._served = {}, {}, {}
+        self.staged, self._served = {}, {}
+        self.assembler = None  # its blocks go back to the staging pool
+        self.store.staging.trim()
         self.store._pushing = None
         self.store._push_lock.release()
 
@@ -234,6 +218,7 @@ class WeightStore:
         self.device_blocks = {n: _device_blocks(self.shardings[n], a.shape)
                               for n, a in flat.items()}
         self.fingerprint = wire.model_fingerprint(config.architecture, self.manifest)
+        self.staging = wire.StagingPool()  # host buffers pushes are assembled in
         self._lock = threading.Lock()
         self._push_lock = threading.Lock()
         self._pushing: tuple[int, str] | None = None
@@ -309,11 +294,18 @@ class WeightStore:
         return out
 
     def warm_up(self) -> None:
-        """Compile the non-finite count for every served shape now, not in the first push."""
-        _, state = self.snapshot()
-        arrays = [a for a in hf_from_state(state).values()
-                  if wire.dtype_name(a.dtype) in wire.FLOAT_DTYPES]
-        jax.block_until_ready([_finite(a) for a in arrays])
+        """Allocate (and fault in) the staging buffers of one push now, so that not even the
+        first push pays for fresh pages."""
+        if not self._push_lock.acquire(blocking=False):
+            return  # a push is already taking its buffers
+        try:
+            self.staging.prefill(
+                [(tuple(b - a for a, b in bounds), wire.numpy_dtype(self.manifest[name][0]))
+                 for name, placement in self.device_blocks.items()
+                 for bounds in sorted(set(placement.values()))])
+            self.staging.trim()
+        finally:
+            self._push_lock.release()
 
     @property
     def push_in_progress(self) -> tuple[int, str] | None:
