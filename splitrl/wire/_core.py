@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from collections.abc import Mapping, Sequence
 
 import crc32c as _crc32c
@@ -79,7 +80,8 @@ _NONFINITE_BITS = {
     "float32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
     "float64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
 }
-_PIECE_BYTES = 256 * 1024  # cache-sized pieces: the masked copy never leaves the cache
+_PIECE_BYTES = 512 * 1024  # cache-sized pieces: the masked copy never leaves the cache
+_scratch = threading.local()  # one masked-copy buffer per receiving thread
 
 
 def has_nonfinite(data, dtype) -> bool:
@@ -96,14 +98,17 @@ def has_nonfinite(data, dtype) -> bool:
         return False
     unsigned, magnitude, inf = spec
     bits = np.frombuffer(data, np.uint8).view(unsigned)
-    step = _PIECE_BYTES // bits.itemsize
-    masked = np.empty(min(step, len(bits)), unsigned)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = np.empty(_PIECE_BYTES, np.uint8)
+    masked = buffer.view(unsigned)
+    step = len(masked)
     mask = unsigned(magnitude)
     for i in range(0, len(bits), step):
         piece = bits[i : i + step]
         out = masked[: len(piece)]
         np.bitwise_and(piece, mask, out=out)
-        if out.max() >= inf:
+        if np.maximum.reduce(out) >= inf:
             return True
     return False
 

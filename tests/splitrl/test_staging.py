@@ -74,7 +74,6 @@ def test_trim_keeps_at_most_one_spare_set():
 def test_prefill_faults_in_buffers_the_first_push_takes():
     pool = StagingPool()
     pool.prefill([((16, 16), np.float32), ((8,), ml_dtypes.bfloat16)])
-    pool.trim()
     assert pool.allocated == 2
     pool.take((16, 16), np.float32)
     pool.take((8,), ml_dtypes.bfloat16)
