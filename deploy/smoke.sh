@@ -190,6 +190,11 @@ collect() {  # trainer-id: its log, trained_prompts.jsonl and the export, out of
   [ -s "$WORK/export/config.json" ] && [ -s "$WORK/export/model.safetensors" ] \
     || die "no exported model (config.json, model.safetensors) in $RUN_DIR/export"
   note "  exported model in the runs volume: $(cd "$WORK/export" && ls | tr '\n' ' ')"
+  # Exactly-once across every restart: the project's own audit, run on the volume the trainer
+  # wrote (in a throwaway container of the same image; the trainer container has exited).
+  docker run --rm --network none --volumes-from "$1" --entrypoint splitrl \
+    "$(docker inspect -f '{{.Config.Image}}' "$1")" audit "$RUN_DIR" | tee -a "$SUMMARY" \
+    || die "splitrl audit: prompts lost or trained twice in $RUN_DIR"
 }
 
 finish() {  # trainer-id timeout-s: wait for the trainer to exit 0

@@ -8,14 +8,13 @@ it runs with the host's ``python3`` and no project venv).
 What it checks, from the trainer's own records:
 
 - every step 1..steps was trained once, each on ``prompts-per-step`` prompts;
-- no prompt lost or trained twice: every uid appears once, and every draw index (the ``#N``
-  suffix the trainer gives each prompt it draws, in draw order) up to the last one is accounted
-  for, trained or recorded as filtered or dropped with a reason, so a prompt that was drawn,
-  handed to a sampler that died and never trained leaves a gap;
 - work per sampler (the ``samplers`` field), mapped to container names by ``--samplers``
   (``NAME<TAB>ADDRESS-HOST`` lines); every expected sampler got work;
 - the accuracy line ``greedy accuracy: A -> B`` and, with ``--expect-resume``, that the trainer
   stopped at a step and resumed from exactly that step.
+
+Exactly-once accounting (no prompt lost or trained twice, across restarts) is not repeated
+here: ``smoke.sh`` runs the project's own ``splitrl audit`` on the run directory in the volume.
 
 Exit status 0 when every check passes; the summary is printed either way.
 """
@@ -32,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ACCURACY = re.compile(r"greedy accuracy: (?P<before>[0-9.]+|nan) -> (?P<after>[0-9.]+|nan)")
-DRAW_INDEX = re.compile(r"#(\d+)$")
 STOPPED_MSG = "stopped; resume continues from this step"
 RESUMED_MSG = "resumed from checkpoint"
 
@@ -43,9 +41,6 @@ class Audit:
 
     steps: list[int]
     uids: int
-    duplicate_uids: list[str]
-    missing_draws: list[int]
-    set_aside: int  # filtered (zero variance) or dropped with a reason: accounted, not trained
     per_sampler: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
 
@@ -55,21 +50,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def audit_trained(records: list[dict], steps: int, prompts_per_step: int) -> Audit:
-    """Exactly-once accounting of a finished run's ``trained_prompts.jsonl`` records."""
+    """Steps, batch sizes and work per sampler of a finished run's ``trained_prompts.jsonl``."""
     step_list = [int(r["step"]) for r in records]
-    uids = [u for r in records for u in r["uids"]]
-    counts = Counter(uids)
-    set_aside = [u for r in records for u in r.get("filtered", [])]
-    set_aside += [d["uid"] for r in records for d in r.get("dropped", [])]
-    draws = {int(m.group(1)) for u in [*counts, *set_aside] if (m := DRAW_INDEX.search(u))}
-    per_sampler: Counter = Counter(s for r in records for s in r["samplers"])
     out = Audit(
         steps=step_list,
-        uids=len(uids),
-        duplicate_uids=sorted(u for u, n in counts.items() if n > 1),
-        missing_draws=sorted(set(range(max(draws, default=-1) + 1)) - draws),
-        set_aside=len(set_aside),
-        per_sampler=per_sampler,
+        uids=sum(len(r["uids"]) for r in records),
+        per_sampler=Counter(s for r in records for s in r["samplers"]),
     )
     if sorted(step_list) != list(range(1, steps + 1)):
         repeated = sorted(s for s, n in Counter(step_list).items() if n > 1)
@@ -83,15 +69,6 @@ def audit_trained(records: list[dict], steps: int, prompts_per_step: int) -> Aud
         if len(r["samplers"]) != len(r["uids"]):
             out.problems.append(f"step {r['step']}: {len(r['samplers'])} sampler ids for "
                                 f"{len(r['uids'])} prompts")
-    if out.duplicate_uids:
-        out.problems.append(f"{len(out.duplicate_uids)} prompts trained more than once: "
-                            f"{out.duplicate_uids[:5]}")
-    undrawn = [u for u in [*counts, *set_aside] if not DRAW_INDEX.search(u)]
-    if undrawn:
-        out.problems.append(f"{len(undrawn)} uids without a '#N' draw index: {undrawn[:5]}")
-    if out.missing_draws:
-        out.problems.append(f"{len(out.missing_draws)} drawn prompts never trained nor set "
-                            f"aside (lost): draw indices {out.missing_draws[:10]}")
     return out
 
 
@@ -164,8 +141,7 @@ def check(args: argparse.Namespace) -> int:
     problems += result.problems
     names = sampler_names(args.samplers)
     print(f"steps trained: {len(result.steps)} (expected {args.steps}); prompts trained: "
-          f"{result.uids}; filtered or dropped with a reason: {result.set_aside}; trained "
-          f"twice: {len(result.duplicate_uids)}; lost: {len(result.missing_draws)}")
+          f"{result.uids}")
     print("work per sampler (prompts):")
     for sampler_id, n in sorted(result.per_sampler.items()):
         host = sampler_id.rsplit(":", 1)[0]

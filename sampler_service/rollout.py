@@ -35,6 +35,7 @@ from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
 from splitrl.config import SamplingConfig
 from splitrl.serving import make_channel
+from splitrl.tokenizer import longest_token_chars
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ class RewardClient:
                 timeout=self.timeout_s)
         except grpc.RpcError as e:
             code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED):  # busy: the trainer backs off
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"reward service at {self.address} is unavailable ({code.name}: "
@@ -144,6 +146,10 @@ class RolloutWorker:
         self.vocab_size = weights.config.vocab_size
         self.max_batch_size = engine.max_batch_size
         self.max_sequence_length = engine.max_sequence_length
+        # Prompt text longer than this cannot encode to max_sequence_length tokens (twice the
+        # bound, for normalizers that change the text's length): refused before tokenizing.
+        self._longest_token = longest_token_chars(tokenizer) if tokenizer is not None else 1
+        self._max_prompt_chars = 2 * self._longest_token * self.max_sequence_length
         self._engine_lock = threading.Lock()
         self._scorer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="score")
 
@@ -231,6 +237,12 @@ class RolloutWorker:
                                            "role (system, user, assistant), got ''")
                 messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
             text_in = prompt.text or None
+            chars = len(prompt.text) + sum(len(m.content) for m in prompt.messages)
+            if chars > self._max_prompt_chars:
+                raise RequestError(_INVALID, f"{where}.{kinds[0]}: {chars} characters cannot fit "
+                                   f"the sampler's max_sequence_length {self.max_sequence_length}"
+                                   " (refused before tokenizing: no token of this tokenizer "
+                                   f"covers more than {self._longest_token} characters)")
             try:
                 text = render_prompt(self.tokenizer, text_in, messages)
                 ids = encode_prompt(self.tokenizer, text_in, messages)

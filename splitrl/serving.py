@@ -36,10 +36,21 @@ from splitrl.auth import (  # noqa: F401  (auth_metadata, resolve_token: re-expo
     server_credentials,
 )
 from splitrl.config import AuthConfig
+from splitrl.retry import SERVICE_CONFIG
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Cheap calls that must answer even when every other thread of a server is busy (a
+# liveness probe that queues behind 50 rollouts gets the pod restarted).
+LIGHT_METHODS = frozenset({
+    "/grpc.health.v1.Health/Check",
+    "/splitrl.v1.Sampler/GetInfo",
+    "/splitrl.v1.Trainer/Status",
+    "/splitrl.v1.Reward/ListRewardFunctions",
+})
+RESERVED_WORKERS = 4  # threads only LIGHT_METHODS may use
 
 
 def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -152,6 +163,12 @@ def _checked_stream(messages, bad: list):
         yield message
 
 
+_BEHAVIOUR = {
+    (False, False): "unary_unary", (False, True): "unary_stream",
+    (True, False): "stream_unary", (True, True): "stream_stream",
+}
+
+
 class _GuardInterceptor(grpc.ServerInterceptor):
     """Every call of a server passes here: refused (UNAUTHENTICATED, one log line, the request
     never decoded) unless :class:`CallGuard` lets it through; then undecodable requests are
@@ -164,8 +181,10 @@ class _GuardInterceptor(grpc.ServerInterceptor):
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
 
-    def __init__(self, guard: CallGuard):
+    def __init__(self, guard: CallGuard, limit: int):
         self._guard = guard
+        self._limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -176,7 +195,41 @@ class _GuardInterceptor(grpc.ServerInterceptor):
             self._guard.check(method, handler_call_details.invocation_metadata)
         except AuthError as e:
             return self._deny(handler, method, e)
-        return _decoding_handler(method, handler)
+        handler = _decoding_handler(method, handler)
+        return handler if method in LIGHT_METHODS else self._limited(handler, method)
+
+    def _limited(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """``handler`` holding one of the server's ``limit`` slots for other than light calls
+        while it runs; without a free slot the call is RESOURCE_EXHAUSTED at once, so the
+        reserved threads stay free for health checks and GetInfo."""
+        kind = (handler.request_streaming, handler.response_streaming)
+        inner = getattr(handler, _BEHAVIOUR[kind])
+        slots, limit = self._slots, self._limit
+
+        def take_slot(context) -> None:
+            if not slots.acquire(blocking=False):
+                log.warning("call refused: server busy", extra={"method": method, "limit": limit})
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{method}: this server already runs {limit} calls (its other "
+                              "threads are kept for health checks); retry later")
+
+        if handler.response_streaming:
+            def behaviour(request, context):
+                take_slot(context)
+                try:
+                    yield from inner(request, context)
+                finally:
+                    slots.release()
+        else:
+            def behaviour(request, context):
+                take_slot(context)
+                try:
+                    return inner(request, context)
+                finally:
+                    slots.release()
+
+        return self._FACTORIES[kind](behaviour, handler.request_deserializer,
+                                     handler.response_serializer)
 
     def _deny(self, handler: grpc.RpcMethodHandler, method: str, error: AuthError):
         def deny(_request, context):  # no deserializer: an unauthenticated request is not read
@@ -232,18 +285,24 @@ def start_server(
     service_names: list[str],
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     auth: AuthConfig | None = None,
-    max_workers: int = 16,
+    max_workers: int = 64,
 ) -> Server:
     """Start a server on ``address`` ("host:port"; port 0 picks a free one).
 
     Every method, the health service's included, is subject to ``auth`` (see
     ``splitrl.auth``): with a token set, only ``auth.open_methods`` answer without it.
+    A call holds a thread while it runs; all but ``RESERVED_WORKERS`` of the ``max_workers``
+    threads serve any method, the rest only ``LIGHT_METHODS`` (beyond that, calls are
+    RESOURCE_EXHAUSTED at once instead of queueing in front of a health check).
     """
+    if max_workers <= RESERVED_WORKERS:
+        raise ValueError(f"max_workers must exceed the {RESERVED_WORKERS} reserved threads, "
+                         f"got {max_workers}")
     guard = CallGuard(auth)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=grpc_options(max_message_bytes),
-        interceptors=[_GuardInterceptor(guard)],
+        interceptors=[_GuardInterceptor(guard, max_workers - RESERVED_WORKERS)],
         maximum_concurrent_rpcs=None,
     )
     register(server)
@@ -338,8 +397,10 @@ def make_channel(
 ) -> grpc.Channel:
     """A channel with matching size limits and the credentials of ``auth``: TLS when
     ``tls_ca`` or ``tls_cert`` is set (presenting this process's certificate when it has one:
-    mutual TLS), and the token on every call when one is configured."""
+    mutual TLS), and the token on every call when one is configured. Idempotent calls that
+    fail with UNAVAILABLE are retried by gRPC (``splitrl.retry.SERVICE_CONFIG``)."""
     options: list[tuple[str, int | str]] = list(grpc_options(max_message_bytes))
+    options += [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
     creds = channel_credentials(auth)
     if creds is not None:
         if auth.tls_server_name:

@@ -188,6 +188,13 @@ def encode_prompt(tokenizer, text: str | None = None, messages: Sequence[dict] |
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token of ``tokenizer`` stands for (its longest vocabulary
+    entry: byte-level BPE writes one character per byte, SentencePiece one per character).
+    Prompts longer than a multiple of this can be refused without tokenizing them."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
 def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     """Text of token ids, special tokens dropped by default."""
     return tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -33,10 +33,20 @@ Receiver (:class:`ChunkAssembler`)
     its last byte arrives, so the caller can place it on devices while later tensors are still in
     flight.
 
+Adapter pushes (``_adapters.py``): with LoRA the push carries the adapters' factors, whole and
+float32, and ``PushHeader.lora`` says which base checkpoint they belong to; the receiver merges
+them into its own copy of that base.
+
 Every violation raises :class:`WireError`, carrying the gRPC status code to return and a
 message naming the parameter, the field, the value received and the expectation.
 """
 
+from splitrl.wire._adapters import (
+    ADAPTER_DTYPE,
+    adapter_header,
+    adapter_layouts,
+    spec_from_header,
+)
 from splitrl.wire._assembler import ChunkAssembler, assemble
 from splitrl.wire._core import (
     FLOAT_DTYPES,
@@ -83,6 +93,7 @@ from splitrl.wire._sender import (
 from splitrl.wire._staging import StagingPool
 
 __all__ = [
+    "ADAPTER_DTYPE", "adapter_header", "adapter_layouts", "spec_from_header",
     "BITMAP", "FLOAT_DTYPES", "RAW", "SPARSE", "BaseBlocks", "BlockSink", "Bounds",
     "ChunkAssembler", "Frame", "SenderBlock", "StagingPool", "TargetLayout", "WireError",
     "array_digest", "assemble", "byte_view",

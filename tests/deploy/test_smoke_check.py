@@ -1,6 +1,7 @@
-"""deploy/smoke_check.py, the audit `deploy/smoke.sh` runs on what a compose run left behind:
-it must pass a clean run and catch every way a run can lose, repeat or misreport work. The
-records here are shaped like the trainer's (``trained_prompts.jsonl``, JSON log lines)."""
+"""deploy/smoke_check.py, the checks `deploy/smoke.sh` runs on what a compose run left behind:
+it must pass a clean run and catch missing or repeated steps, short batches, idle samplers, a
+missing resume or accuracy line (lost or twice-trained prompts: `splitrl audit`, test_audit.py).
+The records here are shaped like the trainer's (``trained_prompts.jsonl``, JSON log lines)."""
 
 from __future__ import annotations
 
@@ -32,38 +33,8 @@ def run_records(steps: int, samplers=("10.0.0.2:50300", "10.0.0.3:50300")) -> li
 
 def test_a_clean_run_passes_and_counts_work_per_sampler():
     audit = smoke_check.audit_trained(run_records(5), 5, PER_STEP)
-    assert audit.problems == []
-    assert audit.uids == 20 and audit.missing_draws == [] and audit.duplicate_uids == []
+    assert audit.problems == [] and audit.uids == 20
     assert audit.per_sampler == {"10.0.0.2:50300": 10, "10.0.0.3:50300": 10}
-
-
-def test_a_lost_prompt_is_a_gap_in_the_draw_indices():
-    records = run_records(5)
-    # The prompt drawn as #6 died with its sampler; the trainer drew #20 to fill the batch.
-    records[1]["uids"][2] = "arith-3+1#20"
-    audit = smoke_check.audit_trained(records, 5, PER_STEP)
-    assert audit.missing_draws == [6]
-    assert any("lost" in p for p in audit.problems)
-
-
-def test_prompts_set_aside_with_a_reason_are_accounted_for_not_lost():
-    records = run_records(5)
-    # Step 2 filtered #6 (zero variance) and dropped #7 (too long); #20 and #21 refilled it.
-    records[1]["uids"][2:4] = ["arith-3+1#20", "arith-4+1#21"]
-    records[1]["filtered"] = ["arith-6+1#6"]
-    records[1]["dropped"] = [{"uid": "arith-0+1#7", "reason": "prompt too long"}]
-    audit = smoke_check.audit_trained(records, 5, PER_STEP)
-    assert audit.problems == [] and audit.set_aside == 2 and audit.missing_draws == []
-    records[1]["dropped"] = []
-    assert smoke_check.audit_trained(records, 5, PER_STEP).missing_draws == [7]
-
-
-def test_a_prompt_trained_twice_is_reported():
-    records = run_records(5)
-    records[3]["uids"][0] = records[2]["uids"][0]
-    audit = smoke_check.audit_trained(records, 5, PER_STEP)
-    assert audit.duplicate_uids == [records[2]["uids"][0]]
-    assert any("more than once" in p for p in audit.problems)
 
 
 def test_missing_or_repeated_steps_and_short_batches_are_reported():

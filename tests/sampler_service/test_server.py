@@ -338,6 +338,9 @@ def test_a_prompt_with_its_own_seed_samples_the_same_in_any_request(sampler):
      "prompts[0].token_ids: ids must be in [0,"),
     ({"prompts": [common_pb2.Prompt(token_ids=[3] * 45)]}, "INVALID_ARGUMENT",
      "exceeds the sampler's max_sequence_length 48"),
+    ({"prompts": [common_pb2.Prompt(text="1+1=" * 500_000)]}, "INVALID_ARGUMENT",
+     "prompts[0].text: 2000000 characters cannot fit the sampler's max_sequence_length 48 "
+     "(refused before tokenizing"),
     ({"sampling": common_pb2.SamplingParams(temperature=-1.0)}, "INVALID_ARGUMENT",
      "sampling.temperature"),
     ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, "INVALID_ARGUMENT", "sampling.top_p"),
@@ -425,10 +428,14 @@ def test_sigterm_finishes_the_push_in_flight_then_exits(sampler):
         resume.wait(60)
         yield from msgs[2:]
 
+    log_size = proc.log_path.stat().st_size
     pusher = threading.Thread(target=lambda: replies.append(
         stub.PushWeights(held(), timeout=60, metadata=AUTH)))
     pusher.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # the push is in flight: the sampler has its header
+    while ('"push_version": 3' not in proc.log_path.read_text()[log_size:]
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
     proc.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while check_health(proc.address, timeout_s=1) and time.monotonic() < deadline:

@@ -4,6 +4,8 @@ that carry it, undecodable requests. TLS and mutual TLS: test_auth.py."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import grpc
 import pytest
@@ -139,6 +141,53 @@ def test_graceful_stop_marks_not_serving():
     assert not check_health(server.address, timeout_s=0.5)
 
 
+
+
+def test_busy_calls_cannot_starve_health_checks():
+    # 50 long calls against a server of 12 threads: 8 run, the rest are refused at once with
+    # RESOURCE_EXHAUSTED, and a health check still answers (it used to queue behind them).
+    release, running = threading.Event(), threading.Semaphore(0)
+
+    def register(server):
+        def hold(request, context):
+            running.release()
+            release.wait(60)
+            yield b"done"
+
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            SERVICE, {"Hold": grpc.unary_stream_rpc_method_handler(hold)}),))
+
+    server = start_server(register, "127.0.0.1:0", service_names=[SERVICE], max_workers=12)
+    outcomes: list = []
+    try:
+        with make_channel(server.address) as channel:
+            hold = channel.unary_stream(f"/{SERVICE}/Hold")
+
+            def call():
+                try:
+                    outcomes.append(b"".join(hold(b"", timeout=60)))
+                except grpc.RpcError as e:
+                    outcomes.append(e.code())
+
+            threads = [threading.Thread(target=call) for _ in range(50)]
+            for t in threads:
+                t.start()
+            for _ in range(8):
+                assert running.acquire(timeout=30)
+            deadline = time.monotonic() + 30
+            while outcomes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) < 42:
+                assert time.monotonic() < deadline, outcomes
+                time.sleep(0.01)
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=SERVICE), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            release.set()
+            for t in threads:
+                t.join(30)
+    finally:
+        release.set()
+        server.stop(0)
+    assert outcomes.count(b"done") == 8 and len(outcomes) == 50
 
 
 def _register_typed(server: grpc.Server) -> None:

@@ -183,6 +183,49 @@ def test_a_background_push_survives_the_learner_donating_its_buffers(samplers, p
     assert jax.tree.leaves(current)[0].dtype == jnp.float32
 
 
+def test_a_stopped_sampler_does_not_hold_the_push_and_catches_up(samplers, params):
+    pool = _pool([p.address for p in samplers])
+    publisher = WeightPublisher(pool, auth=AUTH, push=PushConfig(
+        timeout_s=120, relay=False, straggler_wait_s=0.5))
+    stopped = samplers[0]
+    versions = {v: {n: a * (1 + v / 1000) for n, a in params.items()} for v in (51, 52, 53)}
+    pushes: dict[int, list] = {}
+
+    def push(version):  # in a thread: without the straggler rule it would wait for SIGCONT
+        thread = threading.Thread(target=lambda: pushes.setdefault(
+            version, publisher.push_all(versions[version], version)))
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive(), f"push {version} waited for the stopped sampler"
+        return {r.address: r for r in pushes[version]}
+
+    try:
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            first, second = push(51), push(52)
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        for results, error in ((first, "still pushing in the background"),
+                               (second, "an earlier push still runs")):
+            assert results[stopped.address].background, results[stopped.address]
+            assert results[stopped.address].error == error
+            assert all(r.ok for a, r in results.items() if a != stopped.address)
+        # Thawed, it finishes version 51 in the background, then catches up at the next push.
+        handle = pool.get(stopped.address)
+        deadline = time.monotonic() + 60
+        while handle.push_lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert handle.weight_version == 51 and _served(stopped)["version"] == 51
+        third = push(53)
+    finally:
+        publisher.close()
+        pool.stop()
+    assert all(r.ok for r in third.values()), [r.error for r in third.values()]
+    want = _bf16_digests(versions[53])
+    for proc in samplers:
+        assert _served(proc)["digests"] == want
+
+
 def test_a_relay_killed_mid_push_costs_the_others_nothing(samplers, params):
     pool = _pool([p.address for p in samplers])
     publisher = WeightPublisher(pool, auth=AUTH, push=PushConfig(timeout_s=120))

@@ -229,6 +229,23 @@ def test_checkpoint_snapshot_holds_queued_inflight_and_buffered_items_once():
     assert restored.outstanding() == 5 and restored.unfinished()[0].seq == 0
 
 
+def test_a_group_taken_before_its_request_ends_is_not_in_the_snapshot():
+    # An adaptive lane buffers each group as it arrives: the first of a request's groups can be
+    # trained while the sampler still streams the rest. A checkpoint then must not list it as
+    # unfinished (a resume would train it twice), nor count it as outstanding.
+    q = queue(staleness=1)
+    q.add(items(3))
+    claim = q.claim("s0", 0, capacity=8)
+    assert len(claim.items) == 3
+    serve(q, claim, only={"p0#0"})
+    assert [g.item.uid for g in q.take(TRAIN, 1).groups] == ["p0#0"]
+    assert [i.uid for i in q.unfinished(TRAIN)] == ["p1#1", "p2#2"]
+    assert q.outstanding() == 2 and q.inflight_by_sampler() == {"s0": 2}
+    serve(q, claim, only={"p1#1", "p2#2"})
+    q.finish(claim.request_id)
+    assert q.outstanding() == 2 and q.inflight_by_sampler() == {}
+
+
 def test_evaluation_goes_first_and_needs_the_current_version():
     q = queue(staleness=2)
     q.set_version(3)
@@ -274,3 +291,21 @@ def test_item_seeds_depend_on_run_seed_and_uid_only():
     assert len({item_seed(0, f"p#{i}") for i in range(1000)}) == 1000
     assert item_seed(1, "p1#7") != item_seed(0, "p1#7")
     assert 0 <= item_seed(123, "x") < 1 << 63
+
+
+def test_an_evaluation_mid_run_drains_only_its_own_lanes_events():
+    q = queue(filter_zero_variance=True)
+    q.add(items(2))
+    claim = q.claim("s0", 0, capacity=8)
+    q.deliver(claim.request_id, group(claim.items[0], rewards=(1.0, 1.0)))  # filtered
+    serve(q, claim, only={"p1#1"})
+    q.finish(claim.request_id)
+    q.add(items(1, start=5, lane=EVAL))
+    evaluation = q.claim("s0", 0, capacity=8)
+    q.finish(evaluation.request_id, Failure("INVALID_ARGUMENT: bad", refused=True))
+    retry = q.claim("s0", 0, capacity=8)
+    q.finish(retry.request_id, Failure("INVALID_ARGUMENT: bad", refused=True))
+    assert [i.uid for i, _ in q.drain_events(EVAL).dropped] == ["p5#5"]
+    train = q.drain_events(TRAIN)  # the train lane's filtered group is still there for it
+    assert [g.item.uid for g in train.filtered] == ["p0#0"] and train.dropped == []
+    assert q.drain_events().filtered == []

@@ -17,6 +17,10 @@ does not need whole. ``trainer.push`` (docs/weight-sync.md) chooses how the byte
   (new, reset, after a failure) gets a full push.
 - **grpc**: ``PushWeights``, for samplers without a data plane (or ``transport: grpc``).
 
+- **adapters** (LoRA runs, ``lora=``): the pushed params are the adapters' factors, sent whole
+  in float32 with ``PushHeader.lora`` naming the rank, alpha, targets and the base checkpoint's
+  fingerprint; each sampler merges them into its own copy of that base (never a delta).
+
 A sampler that answers FAILED_PRECONDITION (it serves a newer version, or another base) is
 pushed again at once as a full reset to exactly our weights. Sampler state changes only through
 the pool (``mark_ready``, ``report_ok``, ``report_failure``, ``weights_unknown``, ``remove``).
@@ -30,7 +34,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -39,8 +43,16 @@ import jax
 
 from splitrl.config import AuthConfig, PushConfig
 from splitrl.dataplane.link import PushLink, status_code
+from splitrl.models.lora import LoraSpec
 from splitrl.v1 import sampler_pb2
-from splitrl.wire import iter_push_frames, iter_push_messages, layouts_from_info, push_header
+from splitrl.wire import (
+    adapter_header,
+    adapter_layouts,
+    iter_push_frames,
+    iter_push_messages,
+    layouts_from_info,
+    push_header,
+)
 from trainer_service.orchestration.delta_base import DeltaBase, dtype_profile
 from trainer_service.orchestration.membership import READY, SUSPECT, SamplerHandle, SamplerPool
 
@@ -59,6 +71,9 @@ class PushResult:
     full_bytes: int = 0  # the weights in the sampler's dtype: what a full push carries
     transport: str = ""  # "bulk", "grpc" or "" (nothing sent)
     delta: bool = False
+    # Not finished when push_all returned: a straggler (its push goes on in the background)
+    # or a sampler still busy with an earlier push (skipped this time).
+    background: bool = False
 
 
 class PushInFlight:
@@ -94,8 +109,11 @@ def _device_copy(params, dtypes: tuple[tuple[str, str | None], ...]):
 class WeightPublisher:
     def __init__(self, pool: SamplerPool, *, metadata: tuple = (), auth: AuthConfig | None = None,
                  push: PushConfig | None = None, timeout_s: float | None = None,
-                 max_workers: int = 8):
+                 max_workers: int = 8, lora: LoraSpec | None = None,
+                 base_fingerprint: str | None = None):
         self.pool = pool
+        # LoRA: pushes carry the adapters (the params given are the adapters), for this base.
+        self.lora = None if lora is None else adapter_header(lora, base_fingerprint or "")
         self.metadata = metadata
         self.auth = auth
         self.config = push or PushConfig()
@@ -128,24 +146,75 @@ class WeightPublisher:
         handles: list[SamplerHandle] | None = None,
     ) -> list[PushResult]:
         """Push to every sampler that can take weights; returns one result per sampler. With
-        ``reset`` the samplers take ``version`` even if they serve a newer one (a rollback)."""
+        ``reset`` the samplers take ``version`` even if they serve a newer one (a rollback).
+
+        A slow or stopped sampler does not hold the trainer up: once one sampler has the push,
+        the others get ``straggler_wait_s`` to finish; a push still running then goes on in
+        the background (its result reaches the pool when it ends), and a sampler whose earlier
+        push still runs is skipped (it catches up at the next push after its own ends). Its
+        result says ``background``. A reset waits for everyone: it replaces what they serve."""
         if reset:
             self._lineage += 1
         targets = handles if handles is not None else [
             h for h in self.pool.all() if h.info is not None]
-        futures = [self._executor.submit(self._push_locked, group, params, version, reset)
-                   for group in self._plan(targets)]
-        results = [r for f in futures for r in f.result()]
-        self.history.extend(results)
+        busy = [] if reset else [h for h in targets if h.push_lock.locked()]
+        futures = {self._executor.submit(self._push_locked, group, params, version, reset): group
+                   for group in self._plan([h for h in targets if h not in busy])}
+        results = self._collect(futures, version, patient=reset)
+        results += [PushResult(h.address, version, False, error="an earlier push still runs",
+                               background=True) for h in busy]
+        self.history.extend(r for r in results if not r.background)
         ok = [r for r in results if r.ok]
         if results:
             log.info("weights pushed", extra={
-                "version": version, "samplers": len(ok), "failed": len(results) - len(ok),
+                "version": version, "samplers": len(ok),
+                "failed": sum(not r.ok and not r.background for r in results),
+                "background": sum(r.background for r in results),
                 "mb": round(sum(r.bytes for r in ok) / 2**20, 2),
                 "egress_mb": round(sum(r.egress_bytes for r in results) / 2**20, 2),
                 "seconds": round(max((r.seconds for r in ok), default=0.0), 3),
                 "delta": sum(r.delta for r in ok)})
         return results
+
+    def _collect(self, futures: dict[Future, list[SamplerHandle]], version: int, *,
+                 patient: bool) -> list[PushResult]:
+        """The results of ``futures`` (one per group of samplers pushed together): all of
+        them, or (not ``patient``) those finished ``straggler_wait_s`` after the first
+        success; the others are left running and reported as ``background``."""
+        results: list[PushResult] = []
+        pending = set(futures)
+        first_ok: float | None = None
+        while pending:
+            timeout = None
+            if first_ok is not None and not patient:
+                timeout = max(0.0, first_ok + self.config.straggler_wait_s - time.monotonic())
+            done, pending = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            for future in done:
+                group_results = future.result()
+                results += group_results
+                if first_ok is None and any(r.ok for r in group_results):
+                    first_ok = time.monotonic()
+            if not done:  # the wait ran out: the rest are stragglers
+                break
+        for future in pending:
+            group = futures[future]
+            log.warning("push still running; the trainer goes on without it", extra={
+                "samplers": [h.address for h in group],
+                "waited_s": self.config.straggler_wait_s})
+            future.add_done_callback(self._straggler_done)
+            results += [PushResult(h.address, version, False, background=True,
+                                   error="still pushing in the background") for h in group]
+        return results
+
+    def _straggler_done(self, future: Future) -> None:
+        """A push that outlived ``push_all`` ended (its samplers' state was recorded by the
+        push itself)."""
+        if future.cancelled():
+            return
+        results = future.result()
+        self.history.extend(results)
+        log.info("background push finished", extra={
+            "results": [(r.address, r.version, r.ok, r.error) for r in results]})
 
     def push_all_async(
         self, params: Mapping, version: int, *, reset: bool = False,
@@ -183,6 +252,12 @@ class WeightPublisher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- planning -----------------------------------------------------------------------------
+
+    def _layouts(self, handle: SamplerHandle, params: Mapping) -> dict:
+        """How ``handle`` receives ``params``: its served layout, or whole float32 adapters."""
+        if self.lora is not None:
+            return adapter_layouts(handle.info, params)
+        return layouts_from_info(handle.info)
 
     def _bulk(self, handle: SamplerHandle) -> bool:
         return self.config.transport == "bulk" and bool(handle.info.data_address)
@@ -266,10 +341,10 @@ class WeightPublisher:
         """One relay chain over the data plane; ``(handle, result, relay_failure)`` per hop."""
         start = time.monotonic()
         deadline = start + self.timeout_s
-        layouts = layouts_from_info(chain[0].info)
+        layouts = self._layouts(chain[0], params)
         push_id = self._push_id(chain[0], version)
         base, use_delta = None, False
-        if self.config.delta:
+        if self.config.delta and self.lora is None:
             base = self._bases.setdefault(dtype_profile(layouts), DeltaBase())
             if not base.claim():
                 base = None  # another chain of this profile is reading it: go full
@@ -281,6 +356,8 @@ class WeightPublisher:
                 header = push_header(params, version, target_shardings=layouts,
                                      sender="trainer", reset=reset, push_id=push_id,
                                      base_id=base.push_id if use_delta else "")
+                if self.lora is not None:
+                    header.lora.CopyFrom(self.lora)
             except ValueError as e:  # layouts do not match: a different model
                 return [(h, PushResult(h.address, version, False, error=f"INCOMPATIBLE: {e}",
                                        transport="bulk"), False) for h in chain]
@@ -311,13 +388,15 @@ class WeightPublisher:
     def _push_grpc(self, handle: SamplerHandle, params: Mapping, version: int,
                    reset: bool) -> tuple[SamplerHandle, PushResult, bool]:
         start = time.monotonic()
-        layouts = layouts_from_info(handle.info)
+        layouts = self._layouts(handle, params)
         try:
             messages = iter_push_messages(
                 params, version, max_chunk_bytes=handle.info.max_chunk_bytes,
                 target_shardings=layouts, sender="trainer",
                 push_id=self._push_id(handle, version))
             first = next(messages)  # the header: checks the layouts
+            if self.lora is not None:
+                first.header.lora.CopyFrom(self.lora)
             reply = handle.stub.PushWeights(
                 _with_reset(_chain([first], messages), reset), timeout=self.timeout_s,
                 metadata=self.metadata)

@@ -109,6 +109,14 @@ class _InFlight:
     items: list[WorkItem]
     received: dict[str, RolloutGroup] = field(default_factory=dict)
 
+    def pending(self) -> list[WorkItem]:
+        """Items this request still holds. An adaptive lane hands each group to the buffer as
+        it arrives, so a received item is the buffer's (and may be trained) before the call
+        ends; a reproducible unit holds all of its items until it completes."""
+        if self.lane.reproducible:
+            return self.items
+        return [i for i in self.items if i.uid not in self.received]
+
 
 class RolloutQueue:
     """See the module docstring."""
@@ -191,7 +199,8 @@ class RolloutQueue:
         snapshot for a checkpoint (nothing drawn is lost on a restart)."""
         with self._cond:
             items = [i for unit in self._units[lane] for i in unit]
-            items += [i for f in self._inflight.values() if f.lane.name == lane for i in f.items]
+            items += [i for f in self._inflight.values() if f.lane.name == lane
+                      for i in f.pending()]
             items += [g.item for g in self._buffered[lane].values()]
         return sorted(items, key=lambda i: i.seq)
 
@@ -200,10 +209,19 @@ class RolloutQueue:
         with self._cond:
             return self._pending(lane) + len(self._buffered[lane])
 
-    def drain_events(self) -> Events:
+    def drain_events(self, lane: str | None = None) -> Events:
+        """The events since the last drain (of ``lane`` only, leaving the others')."""
         with self._cond:
-            events, self._events = self._events, Events()
-        return events
+            if lane is None:
+                events, self._events = self._events, Events()
+                return events
+            mine, rest = Events(), Events()
+            for group in self._events.filtered:
+                (mine if group.item.lane == lane else rest).filtered.append(group)
+            for item, reason in self._events.dropped:
+                (mine if item.lane == lane else rest).dropped.append((item, reason))
+            self._events = rest
+            return mine
 
     def close(self) -> None:
         with self._cond:
@@ -302,7 +320,7 @@ class RolloutQueue:
         with self._cond:
             out: dict[str, int] = {}
             for flight in self._inflight.values():
-                out[flight.sampler] = out.get(flight.sampler, 0) + len(flight.items)
+                out[flight.sampler] = out.get(flight.sampler, 0) + len(flight.pending())
             return out
 
     def requests_on(self, sampler: str) -> list[str]:
@@ -334,11 +352,11 @@ class RolloutQueue:
 
     def _pending(self, lane: str) -> int:
         queued = sum(len(u) for u in self._units[lane])
-        return queued + sum(len(f.items) for f in self._inflight.values()
+        return queued + sum(len(f.pending()) for f in self._inflight.values()
                             if f.lane.name == lane)
 
     def _inflight_prompts(self, sampler: str) -> int:
-        return sum(len(f.items) for f in self._inflight.values() if f.sampler == sampler)
+        return sum(len(f.pending()) for f in self._inflight.values() if f.sampler == sampler)
 
     def _accept(self, lane: Lane, group: RolloutGroup) -> None:
         if self._stale(lane, group):
