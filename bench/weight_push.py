@@ -9,6 +9,9 @@ run:
 
 - ``ratio push/raw-TCP``: one sampler over the bulk data plane (and the gRPC ``PushWeights``
   path for comparison);
+- the CPU seconds one push to one sampler costs the trainer (this process) and the sampler
+  process, beside those of the raw TCP stream (both ends): on a shared machine the wall-clock
+  ratio moves with the load, the CPU cost much less;
 - wall time and trainer egress bytes for 1, 2 and 4 samplers (one relay chain), and
   ``fan-out trainer egress 4/1``;
 - for the small model, the longest pause generation sees during a swap: Generate calls run back
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -124,6 +128,15 @@ def raw_tcp_mb_s(total_bytes: int) -> float:
     return total_bytes / (time.perf_counter() - start) / 1e6
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (all threads) or of process ``pid``."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def generate_latencies(stub, stop: threading.Event, out: list[float]) -> None:
     request = sampler_pb2.GenerateRequest(
         prompts=[common_pb2.Prompt(prompt_id="p", token_ids=[3, 4, 5, 6])],
@@ -197,15 +210,23 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> dict:
         version = 1
         tcp = []
         out["bulk"] = {}
+        cpu = {"raw_tcp": [], "trainer": [], "sampler": []}
         for n in SAMPLERS:
             times, egress = [], []
             for _ in range(rounds):
+                start = cpu_seconds()
                 tcp.append(raw_tcp_mb_s(nbytes))  # interleaved: the same load on both
+                mid, sampler = cpu_seconds(), cpu_seconds(procs[0].pid)
                 seconds, sent, _ = bulk.push(params, version, n)
+                if n == 1:
+                    cpu["raw_tcp"].append(mid - start)
+                    cpu["trainer"].append(cpu_seconds() - mid)
+                    cpu["sampler"].append(cpu_seconds(procs[0].pid) - sampler)
                 version += 1
                 times.append(seconds)
                 egress.append(sent)
             out["bulk"][n] = {"seconds": min(times), "egress_MB": max(egress) / 1e6}
+        out["cpu_s"] = {k: min(v) for k, v in cpu.items()}
         seconds, _, _ = grpc_.push(params, version, 1)
         version += 1
         out["grpc_seconds"] = seconds
@@ -297,6 +318,10 @@ def report(row: dict) -> None:
     print(f"[{size}] gRPC PushWeights, 1 sampler: {row['MB'] / row['grpc_seconds']:.0f} MB/s "
           f"(ratio {row['grpc_ratio']:.2f})")
     print(f"[{size}] ratio push/raw-TCP: {row['ratio']:.2f}")
+    cpu = row["cpu_s"]
+    print(f"[{size}] CPU seconds per push to 1 sampler: trainer {cpu['trainer']:.3f}, sampler "
+          f"{cpu['sampler']:.3f}; raw TCP of the same bytes (both ends) {cpu['raw_tcp']:.3f} "
+          f"(ratio {cpu['raw_tcp'] / (cpu['trainer'] + cpu['sampler']):.2f})")
     print(f"[{size}] fan-out trainer egress 4/1: {row['egress_4_over_1']:.2f}")
     if "generate_ms_during_push_max" in row:
         print(f"[{size}] generation pause during swaps: longest Generate call "

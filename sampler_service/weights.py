@@ -16,11 +16,11 @@ it (gRPC ``PushWeights`` through :meth:`WeightStore.apply_push`, or the bulk dat
    regions, offsets, duplicates, CRC-32C; deltas decoded against the served bytes) and
    assembled on the host one tensor at a time;
 3. the bytes are assembled per device shard of the sampler's own ``NamedSharding`` (in 64-byte
-   aligned host buffers, straight from the socket where the regions allow it); as soon as a
-   tensor is complete each shard goes to its device (``jax.device_put``: on CPU it aliases the
-   buffer, no copy) and a finiteness check of each shard is started on its device
-   (asynchronously: it runs while later tensors arrive). A tensor a delta left bitwise
-   unchanged keeps the served array;
+   aligned host buffers of the store's :class:`splitrl.wire.StagingPool`, reused from push to
+   push once nothing refers to them; straight from the socket where the regions allow it) and
+   every float chunk is checked for NaN/Inf as it lands; complete tensors go to their devices
+   in batches (``jax.device_put`` of a host block per device shard: on CPU it aliases the
+   buffer, no copy). A tensor a delta left bitwise unchanged keeps the served array;
 4. :meth:`PushSession.finish`: all tensors arrived (else INVALID_ARGUMENT naming the missing
    ones), are on device, and are finite (else INVALID_ARGUMENT naming the tensors with NaN/Inf
    and how many: a diverged trainer must not poison the samplers);
@@ -71,6 +71,12 @@ from splitrl.wire import ChunkAssembler, WireError
 log = logging.getLogger(__name__)
 
 
+# Complete tensors go to their devices in batches this large (or at the end of the push): few
+# jax calls, while a big model's transfers still overlap with the bytes still arriving.
+_PLACE_BATCH_TENSORS = 32
+_PLACE_BATCH_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class PushResult:
     version: int
@@ -83,15 +89,14 @@ class PushResult:
 
 @jax.jit
 def _finite_shard(x: jax.Array) -> jax.Array:
-    """False iff ``x`` holds a NaN or an Inf: max(|x|) is NaN or Inf then (one read of x; ~3x
-    faster on XLA:CPU than counting them)."""
+    """False iff ``x`` holds a NaN or an Inf: max(|x|) is NaN or Inf then (one read of x)."""
     return jnp.isfinite(jnp.max(jnp.abs(x))) if x.size else jnp.bool_(True)
 
 
 def _finite(array: jax.Array) -> list[jax.Array]:
-    """:func:`_finite_shard` of every shard, each on the device that holds it (small programs
-    per device: no collective, which on XLA:CPU could wait forever on a generation program
-    holding the other devices)."""
+    """:func:`_finite_shard` of every shard, each on the device that holds it, for weights
+    computed on the sampler (adapters merged into the base); received bytes are checked on
+    the host as they land (:func:`splitrl.wire.has_nonfinite`)."""
     return [_finite_shard(s.data) for s in array.addressable_shards if s.replica_id == 0]
 
 
@@ -133,9 +138,12 @@ class PushSession:
             manifest, version=header.version, max_chunk_bytes=store.max_chunk_bytes,
             tensor_count=header.tensor_count, total_bytes=header.total_bytes,
             base=(lambda name: np.asarray(jax.device_get(served[name]))) if served else None,
-            blocks=blocks)
+            blocks=blocks, allocate=store.staging.take)
         self.staged: dict[str, jax.Array] = {}
-        self._finite: dict[str, list[jax.Array]] = {}
+        self._finite: dict[str, list[jax.Array]] = {}  # weights merged here (adapter pushes)
+        # Complete tensors not on their devices yet: (name, [(host block, device)]).
+        self._unplaced: list[tuple[str, list[tuple[np.ndarray, jax.Device]]]] = []
+        self._unplaced_bytes = 0
         self._finished = False
         self._closed = False
 
@@ -164,26 +172,39 @@ class PushSession:
             return
         blocks = self.assembler.pop_blocks(name)
         placement = self.store.device_blocks[name]
-        # One host block per device shard (64-byte aligned: XLA:CPU aliases it, no copy), all
-        # of a tensor's shards in one call (each call costs ~1 ms of Python in jax).
-        devices = list(placement)
-        shards = jax.device_put([blocks[placement[d]] for d in devices], devices)
-        array = jax.make_array_from_single_device_arrays(
-            self.store.manifest[name][1], self.store.shardings[name], shards)
-        self.staged[name] = array
-        if wire.dtype_name(array.dtype) in wire.FLOAT_DTYPES:
-            self._finite[name] = _finite(array)  # dispatched; read in finish()
+        self._unplaced.append((name, [(blocks[bounds], device)
+                                      for device, bounds in placement.items()]))
+        self._unplaced_bytes += sum(b.nbytes for b in blocks.values())
+        if (len(self._unplaced) >= _PLACE_BATCH_TENSORS
+                or self._unplaced_bytes >= _PLACE_BATCH_BYTES):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Complete tensors to their devices: one host block per device shard (64-byte
+        aligned: XLA:CPU aliases it, no copy), many tensors per ``device_put`` call (each call
+        costs ~1 ms of Python in jax, twice what a batched call costs per shard)."""
+        if not self._unplaced:
+            return
+        pairs = [pair for _, shards in self._unplaced for pair in shards]
+        arrays = iter(jax.device_put([b for b, _ in pairs], [d for _, d in pairs]))
+        for name, shards in self._unplaced:
+            self.staged[name] = jax.make_array_from_single_device_arrays(
+                self.store.manifest[name][1], self.store.shardings[name],
+                [next(arrays) for _ in shards])
+        self._unplaced, self._unplaced_bytes = [], 0
 
     # -- completion -------------------------------------------------------------------------
 
     def finish(self) -> None:
         """Every tensor arrived, is on device and is finite; else :class:`WireError`."""
         self.assembler.finish()
+        self._flush()
         if self.lora is not None:
             self._merge_adapters()
         jax.block_until_ready(self.staged)
         finite = jax.device_get(self._finite)
-        bad = sorted(n for n, flags in finite.items() if not all(bool(f) for f in flags))
+        bad = sorted({*self.assembler.nonfinite_names(),
+                      *(n for n, flags in finite.items() if not all(bool(f) for f in flags))})
         if bad:
             names = ", ".join(f"{n!r} ({_count_nonfinite(self.staged[n])} of "
                               f"{self.staged[n].size} values)" for n in bad[:5])
@@ -240,6 +261,9 @@ class PushSession:
             return
         self._closed = True
         self.staged, self._finite, self._served, self._adapters = {}, {}, {}, {}
+        self._unplaced = []
+        self.assembler = None  # its blocks go back to the staging pool
+        self.store.staging.trim()
         self.store._pushing = None
         self.store._push_lock.release()
 
@@ -275,6 +299,7 @@ class WeightStore:
         self.device_blocks = {n: _device_blocks(self.shardings[n], a.shape)
                               for n, a in flat.items()}
         self.fingerprint = wire.model_fingerprint(config.architecture, self.manifest)
+        self.staging = wire.StagingPool()  # host buffers pushes are assembled in
         self._lock = threading.Lock()
         self._push_lock = threading.Lock()
         self._pushing: tuple[int, str] | None = None
@@ -364,11 +389,21 @@ class WeightStore:
         return out
 
     def warm_up(self) -> None:
-        """Compile the non-finite count for every served shape now, not in the first push."""
-        _, state = self.snapshot()
-        arrays = [a for a in hf_from_state(state).values()
-                  if wire.dtype_name(a.dtype) in wire.FLOAT_DTYPES]
-        jax.block_until_ready([_finite(a) for a in arrays])
+        """Allocate (and fault in) the staging buffers of one push now, so that not even the
+        first push pays for fresh pages. A sampler keeping a base for adapter pushes instead
+        compiles the NaN/Inf check of the weights it merges (its pushes are adapters)."""
+        if self._base is not None:
+            arrays = [a for a in self._base.values()
+                      if wire.dtype_name(a.dtype) in wire.FLOAT_DTYPES]
+            jax.block_until_ready([_finite(a) for a in arrays])
+            return
+        if self._push_lock.locked():
+            return  # a push is already taking its own (never hold the push lock here: a
+            # push arriving meanwhile would be refused)
+        self.staging.prefill(
+            [(tuple(b - a for a, b in bounds), wire.numpy_dtype(self.manifest[name][0]))
+             for name, placement in self.device_blocks.items()
+             for bounds in sorted(set(placement.values()))])
 
     @property
     def push_in_progress(self) -> tuple[int, str] | None:
