@@ -1,6 +1,7 @@
 """GenerationEngine: greedy equals a no-cache reference, seeds, top-k support, logprobs, n per
 prompt from one prefill, EOS / stop tokens, length limits, refusals, and a 2-device
-tensor-parallel mesh. (Admission timing, exclusive requests and the budget: test_continuous_batching.py.)
+tensor-parallel mesh. (Admission timing, exclusive requests and the budget:
+test_continuous_batching.py.)
 
 Programs are shared between tests (same buckets) to keep compilation to a handful.
 """
