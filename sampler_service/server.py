@@ -134,7 +134,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     def Generate(self, request, context):
         try:
-            reply = self.worker.generate(request)
+            reply = self.worker.generate(request, context)
         except RequestError as e:
             metrics.REQUESTS.labels("Generate", e.code.name).inc()
             context.abort(e.code, e.message)
@@ -147,7 +147,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     def Rollout(self, request, context):
         try:
-            yield from self.worker.rollout(request)
+            yield from self.worker.rollout(request, context)
         except RequestError as e:
             metrics.REQUESTS.labels("Rollout", e.code.name).inc()
             log.warning("rollout failed", extra={"code": e.code.name, "reason": e.message,
@@ -266,7 +266,11 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                               max_batch_size=sampler.max_batch_size,
                               max_sequence_length=sampler.max_sequence_length,
                               eos_token_ids=_eos_ids(weights.config, tokenizer),
-                              pad_token_id=pad)
+                              pad_token_id=pad, kv_cache_bytes=sampler.kv_cache_bytes,
+                              batching=sampler.batching, segment_steps=sampler.segment_steps,
+                              update_in_flight=sampler.update_in_flight,
+                              weights=weights.snapshot, dtype=dtype)
+    metrics.KV_CACHE_BUDGET_BYTES.set(engine.cache.budget_bytes)
     reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
                            auth=config.services.auth)
               if config.services.reward_address else None)
@@ -298,6 +302,8 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
         "sampler_id": worker.sampler_id, "dtype": serving_dtype,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
+        "max_batch_size": engine.max_batch_size, "kv_cache_bytes": engine.cache.budget_bytes,
+        "batching": sampler.batching, "update_in_flight": sampler.update_in_flight,
         "fingerprint": weights.fingerprint, "weight_version": weights.version,
         "base_fingerprint": weights.base_fingerprint})
     return server, servicer
@@ -380,5 +386,6 @@ def main(config: Config) -> int:
         if registration is not None:
             registration.stop()
         servicer.worker.close()
+        servicer.worker.engine.close()
     print(json.dumps({"event": "stopped", "service": "sampler"}), file=sys.stdout, flush=True)
     return 0

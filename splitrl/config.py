@@ -72,6 +72,23 @@ class LoraConfig(Section):
                               "module names, got []")
 
 
+# The smallest sampling temperature other than 0 (greedy): logits / temperature must stay finite
+# in float32 (|logits| of 1e4 / 1e-5 = 1e9), on the sampler and in the trainer's recomputation.
+MIN_TEMPERATURE = 1e-5
+
+
+def temperature_ok(value: float) -> bool:
+    """0 (greedy) or at least MIN_TEMPERATURE (as float32 rounds it: requests carry float32)."""
+    return value == 0 or value >= MIN_TEMPERATURE * (1 - 2**-23)
+
+
+def check_temperature(key: str, value: float) -> None:
+    """0 (greedy) or MIN_TEMPERATURE <= value; a ConfigError naming ``key`` otherwise."""
+    if not temperature_ok(value):
+        raise ConfigError(f"{key}: expected 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller "
+                          f"temperatures overflow float32 logits / temperature), got {value!r}")
+
+
 class ModelSection(Section):
     """Which checkpoint the policy starts from (a local Hugging Face directory or a hub name)."""
 
@@ -126,6 +143,7 @@ class SamplingConfig(Section):
     seed: int = 0
 
     def model_post_init(self, _context) -> None:
+        check_temperature("sampling.temperature", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"sampling.top_p: expected 0 < top_p <= 1, got {self.top_p}")
 
@@ -380,6 +398,20 @@ class SamplerConfig(Section):
     # Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
     # Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up.
     register_with_trainer: bool = True
+    # Memory for the decode KV cache, in bytes; 0 = what max_batch_size sequences of
+    # max_sequence_length need. The engine never allocates more (sequences beyond it queue);
+    # GetInfo's max_batch_size is min(max_batch_size, sequences of max_sequence_length that
+    # fit), so a trainer's capacity is always admissible.
+    kv_cache_bytes: NonNegativeInt = 0
+    # "continuous": finished sequences' decode slots are refilled from waiting prompts between
+    # segments; "static": a batch decodes until its last sequence ends (for comparison).
+    batching: Literal["continuous", "static"] = "continuous"
+    # Decode steps per compiled segment (between segments slots are retired and refilled).
+    segment_steps: PositiveInt = 16
+    # Apply a weight push to sequences in flight at the next segment boundary (their
+    # Completion.weight_versions then list every version); false = a sequence finishes on the
+    # weights it started with and a push waits until they drain.
+    update_in_flight: bool = False
     # The dtype the sampler serves (None: model.dtype). "bfloat16" with float32 training: the
     # trainer keeps float32 master weights and sends bfloat16 (half the bytes).
     dtype: Literal["float32", "bfloat16"] | None = None

@@ -1,4 +1,4 @@
-"""Building blocks: RMSNorm, Linear, grouped-query attention with KV cache, SwiGLU MLP.
+"""Building blocks: RMSNorm, Linear, grouped-query attention (pluggable backend), SwiGLU MLP.
 
 Parameter layout convention: every parameter lives under the attribute names HF uses, so
 the nnx path of a parameter *is* its HF name (`model.layers.3.self_attn.q_proj.weight`), which
@@ -18,10 +18,6 @@ from flax import nnx
 
 from splitrl.models.config import TransformerConfig
 from splitrl.models.rope import apply_rope
-
-# Large finite negative instead of -inf: a query with no visible key (a left-padding row)
-# then gets a uniform distribution rather than NaNs that would poison gradients.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 class RMSNorm(nnx.Module):
@@ -110,10 +106,10 @@ class Embedding(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with optional per-head q/k RMSNorm (Qwen3) and KV cache.
+    """Grouped-query self-attention projections with optional per-head q/k RMSNorm (Qwen3).
 
-    Query heads are grouped as [kv_heads, heads_per_kv] (HF's repeat_kv order: query head h
-    uses kv head h // heads_per_kv), so no k/v repetition is materialised.
+    The attention itself (which keys each query sees, where keys/values are cached) is the
+    backend passed in (`attention.py`): one projection/RoPE code path for every cache layout.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
@@ -135,13 +131,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.dtype = dtype
 
-    def __call__(self, x, cos, sin, mask, cache=None):
-        """x [B,T,D]; cos/sin [B,T,Dh/2]; mask [B,T,S] bool (True = may attend).
-
-        cache: None, or (k_all, v_all, layer, slot) with k_all/v_all [L,B,S,K,Dh]: this layer's
-        new keys/values are written at [layer, :, slot:slot+T] and attention reads the whole
-        layer row. Returns (out [B,T,D], (k_all, v_all) or None).
-        """
+    def __call__(self, x, cos, sin, attention, layer: int):
+        """x [B,T,D]; cos/sin [B,T,Dh/2]; ``attention`` an `AttentionBackend` (see
+        `attention.py`) that turns this layer's post-RoPE q/k/v into its output and keeps
+        keys/values where its cache layout wants them. Returns (out [B,T,D], backend)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -149,28 +142,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_cache = None
-        if cache is not None:
-            k_all, v_all, layer, slot = cache
-            start = (layer, 0, slot, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-            k, v = k_all[layer].astype(self.dtype), v_all[layer].astype(self.dtype)
-            new_cache = (k_all, v_all)
-        out = _attend(q, k, v, mask, self.num_kv_heads)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
-
-
-def _attend(q, k, v, mask, num_kv_heads):
-    """Softmax attention, q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S]; softmax in float32."""
-    b, t, h, dh = q.shape
-    q = q.reshape(b, t, num_kv_heads, h // num_kv_heads, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, dh)
+        out, attention = attention.attend(layer, q, k, v)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), attention
 
 
 class MLP(nnx.Module):
@@ -200,8 +173,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, **kw)
         self.mlp = MLP(config, **kw, rngs=rngs, std=std)
 
-    def __call__(self, x, cos, sin, mask, cache=None):
-        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def __call__(self, x, cos, sin, attention, layer: int):
+        attn, attention = self.self_attn(self.input_layernorm(x), cos, sin, attention, layer)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_cache
+        return x, attention

@@ -64,6 +64,12 @@ def test_range_validators_name_the_nested_key():
         load_config(None, ["trainer.optimizer.lr=-1.0"])
     with pytest.raises(ConfigError, match=r"sampling\.top_p"):
         load_config(None, ["sampling.top_p=1.5"])
+    with pytest.raises(ConfigError, match=r"sampling\.temperature: expected 0 \(greedy\) or "
+                                          r">= 1e-05"):
+        load_config(None, ["sampling.temperature=1.0e-38"])
+    with pytest.raises(ConfigError, match=r"sampler\.batching: expected one of \['continuous', "
+                                          r"'static'\], got 'dynamic'"):
+        load_config(None, ["sampler.batching=dynamic"])
 
 
 def test_list_of_sections_is_typed():
