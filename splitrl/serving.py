@@ -398,6 +398,12 @@ def make_channel(
     ``tls_ca`` or ``tls_cert`` is set (presenting this process's certificate when it has one:
     mutual TLS), and the token on every call when one is configured."""
     options: list[tuple[str, int | str]] = list(grpc_options(max_message_bytes))
+    # Services start concurrently, so a peer is often dialled before it listens; gRPC's default
+    # reconnect back-off (1 s growing to 120 s) would then keep the channel failing long after
+    # the peer is up. Redial within a second on loopback or a cluster network.
+    options += [("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
     creds = channel_credentials(auth)
     if creds is not None:
         if auth.tls_server_name:

@@ -119,13 +119,18 @@ class Launcher:
         return address
 
     def up(self) -> None:
+        """Start every service. The trainer starts as soon as the reward service answers (a
+        broken reward function stops the launch before any trainer exists), not after the
+        samplers: its start-up (imports, model, optimizer state, compiling its train step)
+        then overlaps theirs, and it finds the samplers when they are up (it probes them;
+        they register with it)."""
         self.start("reward", "reward", [])
         for i, address in enumerate(self.sampler_addresses):
             self.start_sampler(i, address)
         self.wait_healthy("reward", self.reward_address)
+        self.start_trainer()
         for i, address in enumerate(self.sampler_addresses):
             self.wait_healthy(f"sampler-{i}", address)
-        self.start_trainer()
 
     def start_trainer(self):
         """Start (or, after it died, restart) the trainer, pointed at the launched samplers."""

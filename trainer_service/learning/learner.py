@@ -193,6 +193,29 @@ class Learner:
         metrics.update(_mean_over_epochs(per_epoch))
         return metrics
 
+    def warm_up(self, rows: int, length: int) -> None:
+        """Compile the train step's programs for batches of `rows` x `length` tokens before
+        the first batch exists (the trainer calls it while the samplers generate).
+
+        Runs the reference forward and the gradient program on an all-masked batch (outputs
+        dropped, parameters untouched) and compiles the optimizer update ahead of time. Changes
+        no state: a run with or without a warm-up trains the same numbers.
+        """
+        shape = (rows, length)
+        empty = TrainBatch(
+            tokens=np.zeros(shape, np.int32), attention_mask=np.zeros(shape, bool),
+            completion_mask=np.zeros(shape, bool), sampler_logprobs=np.zeros(shape, np.float32),
+            advantages=np.zeros(rows, np.float32), group_ids=np.zeros(rows, np.int32))
+        mb = self._micro_batches(empty, empty.completion_mask)[0]
+        counts = {"num_tokens": 1.0, "num_sequences": 1.0}
+        grads, _, metrics = _grad_step(
+            self._spec, self._settings, _zeros_like(self.params), self.params, mb,
+            jnp.zeros_like(mb["sampler_logprobs"][:, 1:]), True, self._reference_logprobs(mb),
+            counts)
+        jax.block_until_ready(metrics)
+        # The update donates params and optimizer state: compiled, not run.
+        _apply_update.lower(self.tx, self.params, self.opt_state, grads).compile()
+
     def _accumulate_gradients(self, micro_batches, old, ref, counts):
         """Sum of the micro-batch gradients (= the full batch's), the logprobs to use as pi_old
         in later epochs, and the batch's loss metrics."""
