@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -216,7 +217,10 @@ class Launcher:
                     samplers=f"{sum(s.healthy for s in status.samplers)}/{alive}",
                     refresh=True,
                 )
-                time.sleep(1.0)
+                try:  # a second between refreshes, but the trainer's exit is seen at once
+                    trainer.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
             show_errors()
         finally:
             bar.close()
@@ -262,10 +266,12 @@ def main(cfg: Config) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    plots = None
     try:
         launcher.up()
         print("reward functions: " + "; ".join(launcher.reward_functions()), flush=True)
         code = launcher.watch()
+        plots = _plot_in_background(launcher.run_dir)  # while the services shut down
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the run (the trainer checkpoints what it has)", flush=True)
     except (RuntimeError, TimeoutError) as e:  # a service did not start
@@ -280,17 +286,32 @@ def main(cfg: Config) -> int:
         after = summary.get("eval_after/accuracy")
         if before is not None and after is not None:
             print(f"greedy accuracy on the evaluation prompts: {before:.3f} -> {after:.3f}")
-        try:
-            from trainer_service.plots import main as plot
-
-            plot(str(launcher.run_dir))
-        except Exception as e:  # plots are a convenience; never fail the run on them
-            print(f"(plots skipped: {e})")
+    if plots is not None:
+        plots.join()
     if code != 0 and "trainer" in launcher.procs:
         print(launcher.exit_report("trainer"), file=sys.stderr)
     if code != 0:
         print(f"the run failed (exit code {code}); logs: {launcher.log_dir}", file=sys.stderr)
     return code
+
+
+def _plot_in_background(run_dir: Path) -> threading.Thread | None:
+    """`splitrl plot` of a finished run (summary.json written), in a thread: a convenience
+    that never fails the run."""
+    if not (run_dir / "summary.json").exists():
+        return None
+
+    def plot():
+        try:
+            from trainer_service.plots import main as plot_run
+
+            plot_run(str(run_dir))
+        except Exception as e:
+            print(f"(plots skipped: {e})")
+
+    thread = threading.Thread(target=plot, name="plots", daemon=True)
+    thread.start()
+    return thread
 
 
 def demo_config_path() -> Path:

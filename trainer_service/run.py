@@ -415,6 +415,7 @@ class TrainerRun:
                 summary.update(self._evaluate("eval_before"))
             self.status.state = "training"
             if warm_up is not None:
+                self._draw_ahead()  # the samplers generate the first batch meanwhile
                 warm_up.join()
             started, start_step = time.monotonic(), self.step
             while self.step < tcfg.steps and not self.stop_event.is_set():
