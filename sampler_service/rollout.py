@@ -110,7 +110,8 @@ class RewardClient:
                 timeout=self.timeout_s)
         except grpc.RpcError as e:
             code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED):  # busy: the trainer backs off
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"reward service at {self.address} is unavailable ({code.name}: "

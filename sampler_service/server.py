@@ -100,6 +100,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             instance_id=self.instance_id,
             data_address=self.data_address,
             weights_id=self.weights.weights_id,
+            base_fingerprint=self.weights.base_fingerprint,
         )
         metrics.REQUESTS.labels("GetInfo", "OK").inc()
         return info
@@ -252,6 +253,10 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                                      max_chunk_bytes=sampler.max_chunk_bytes,
                                      max_version=config.trainer.steps)
     del model, state
+    if config.model.lora is not None:  # adapter pushes are merged into the checkpoint's weights
+        from splitrl.models.hf_io import checkpoint_fingerprint
+
+        weights.keep_base(checkpoint_fingerprint(config.model.path))
     threading.Thread(target=weights.warm_up, name="warm-up", daemon=True).start()
     tokenizer = _load_tokenizer(config.model.path)
     pad = model_pad = weights.config.pad_token_id
@@ -293,7 +298,8 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
         "sampler_id": worker.sampler_id, "dtype": serving_dtype,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
-        "fingerprint": weights.fingerprint, "weight_version": weights.version})
+        "fingerprint": weights.fingerprint, "weight_version": weights.version,
+        "base_fingerprint": weights.base_fingerprint})
     return server, servicer
 
 

@@ -39,15 +39,21 @@ import numpy as np
 from splitrl.config import Config, dump_config, to_dict
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
-from splitrl.models import from_pretrained
+from splitrl.models import from_pretrained, param_shapes
+from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
 from trainer_service.learning.batching import bucket, build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer
-from trainer_service.learning.export import export_hf
+from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
-from trainer_service.orchestration.evaluation import accuracy_function, eval_items, eval_metrics
+from trainer_service.orchestration.evaluation import (
+    accuracy_function,
+    collect_lane,
+    eval_items,
+    eval_metrics,
+)
 from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.membership import SamplerHandle
 from trainer_service.orchestration.parts import build_leader_parts
@@ -60,6 +66,8 @@ from trainer_service.orchestration.rollouts import (
     WorkItem,
     item_seed,
 )
+from trainer_service.resume import check_resume
+from trainer_service.tracking import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +114,8 @@ class TrainerRun:
         self.mesh = build_mesh(tcfg.mesh)
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
         self.learner = Learner.from_config(model, cfg, self.mesh)
+        log.info("learner state", extra={  # what LoRA saves shows here (bench/lora_memory.py)
+            f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
         self.version = 0  # of the weights; +1 per update
         self.step = 0
@@ -120,13 +130,19 @@ class TrainerRun:
                                             metadata=self.metadata, run_dir=self.run_dir,
                                             sync_new_sampler=self._sync_new_sampler,
                                             identity=ModelIdentity.of(
-                                                model.config.architecture, self.learner.params))
+                                                model.config.architecture,
+                                                param_shapes(model.config),
+                                                self.learner.base_fingerprint),
+                                            lora=self.learner.lora)
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)
             self.reward_checks = RewardChecks.from_config(cfg.reward)
             self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        self._restore()
+        self._restore()  # refuses a checkpoint of another config before anything else starts
+        if self.hosts.is_leader:
+            self.trackers = Trackers.from_config(cfg, self.run_dir, self.accuracy_fn)
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # written when it ends
 
     # -- one step -------------------------------------------------------------------------
 
@@ -138,6 +154,8 @@ class TrainerRun:
         between = t0 - self._last_step_end if self._last_step_end is not None else 0.0
         collected = self._collect(self.cfg.trainer.prompts_per_step)
         t_rollouts = time.monotonic()
+        if self.trackers.completions_due(self.step + 1):
+            self.trackers.completions(self.step + 1, collected.groups)
         metrics = self._rollout_metrics(collected)
         try:  # failing reward functions: logged, counted, and past the policy the run stops
             metrics.update(self.reward_checks.observe(collected.groups))
@@ -186,7 +204,7 @@ class TrainerRun:
         self._draw_ahead()
         while True:
             taken = self.queue.take(TRAIN, n, stop=self.stop_event)
-            events = self.queue.drain_events()
+            events = self.queue.drain_events(TRAIN)
             out.filtered += events.filtered
             out.dropped += events.dropped
             for item, reason in events.dropped:
@@ -297,6 +315,7 @@ class TrainerRun:
     def _write_metrics(self, record: dict) -> None:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
+        self.trackers.log(record)
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -305,19 +324,11 @@ class TrainerRun:
         rows = self.data.eval_rows(self.cfg.trainer.data.eval_size)
         if not rows:
             return {}
-        self.status.state = "evaluating"
+        state, self.status.state = self.status.state, "evaluating"
         self._wait_for_samplers()
         items = eval_items(rows)
-        self.queue.add(items)
-        n, groups = len(items), []
-        while n > 0:
-            taken = self.queue.take(EVAL, n, stop=self.stop_event)
-            if taken.groups:
-                groups = taken.groups
-                break
-            n -= taken.shortfall  # refused prompts: evaluate the others
-        for item, reason in self.queue.drain_events().dropped:
-            log.warning("evaluation prompt dropped", extra={"uid": item.uid, "reason": reason})
+        groups = collect_lane(self.queue, items, EVAL, stop=self.stop_event)
+        self.status.state = state
         result = eval_metrics(groups, self.accuracy_fn, len(items))
         result = {f"{tag}/{k.split('/', 1)[1]}": v for k, v in result.items()}
         self._write_metrics({"step": self.step, "version": self.version, **result})
@@ -345,21 +356,26 @@ class TrainerRun:
         log.info("sampler synced", extra={"address": handle.address, "ok": result.ok,
                                           "version": version, "error": result.error})
 
-    def _wait_for_samplers(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not [h for h in self.pool.ready() if h.weight_version >= self.version]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no sampler became ready within {timeout_s:.0f}s")
-            if self.stop_event.wait(0.2):
-                raise InterruptedError("stopped while waiting for samplers")
+    def _wait_for_samplers(self) -> None:
+        wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
+                   timeout_s=self.cfg.services.sampler_wait_s, stop=self.stop_event,
+                   what="a sampler ready (services.sampler_wait_s)")
 
     # -- checkpoint / resume --------------------------------------------------------------
 
     def _restore(self) -> None:
         self._pushed_version = 0
+        self.resumed_from: int | None = None
         if self.checkpointer.latest_step() is None:
             return
+        meta = self.checkpointer.meta()
+        check_resume(self.cfg, meta, str(self.run_dir))  # same run only
+        # The train state's kind (LoRA or not, rank, targets, base): even trainer.resume=force
+        # cannot load adapters onto other weights.
+        self.learner.check_checkpoint_meta(meta.get("learner"),
+                                           where=f"checkpoint in {self.checkpointer.directory}")
         ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
+        self.resumed_from = ckpt.step
         self.learner.load_train_state(ckpt.state, ckpt.step)
         self.step, self.version = ckpt.step, ckpt.weight_version
         if not self.hosts.is_leader:
@@ -396,7 +412,8 @@ class TrainerRun:
         self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
         self.checkpointer.save(self.step, self.learner.train_state(),
                                weight_version=self.version, data_cursor=cursor,
-                               config=to_dict(self.cfg), force=True)
+                               config=to_dict(self.cfg),
+                               learner_meta=self.learner.checkpoint_meta(), force=True)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -411,8 +428,9 @@ class TrainerRun:
             warm_up = self._start_warm_up()
             self.parts.start()
             self._wait_for_samplers()
-            if tcfg.eval_before and self.step == 0:
+            if tcfg.eval_before and self.step < tcfg.steps:  # a resumed run: where it starts
                 summary.update(self._evaluate("eval_before"))
+                summary["eval_before/step"] = float(self.step)
             self.status.state = "training"
             if warm_up is not None:
                 self._draw_ahead()  # the samplers generate the first batch meanwhile
@@ -426,18 +444,17 @@ class TrainerRun:
                         break
                     raise
                 self._report(metrics, progress, started, start_step)
+                if self._eval_due():
+                    self._evaluate("eval")
             if self.stop_event.is_set():
                 return self._stopped(summary)
             if self.checkpointer.latest_step() != self.step:
                 self._checkpoint(force=True)
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
-            export_hf(self._policy_model(), self.run_dir / "export",
-                      source_dir=self.cfg.model.path)
-            summary["step"] = float(self.step)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            self._export()
             self.status.state = "done"
-            return summary
+            return self._summary(summary)
         except InterruptedError:
             if not self.stop_event.is_set():
                 self.status.state = "failed"
@@ -491,16 +508,51 @@ class TrainerRun:
         self.status.state = "stopped"
         log.info("stopped; resume continues from this step",
                  extra={"step": self.step, "version": self.version})
+        return self._summary(summary)
+
+    def _summary(self, summary: dict) -> dict:
+        """``summary.json``: how the run ended (done or stopped), at which step, from which
+        step it resumed, and its evaluations."""
+        summary.update(state=self.status.state, step=float(self.step),
+                       total_steps=float(self.cfg.trainer.steps))
+        if self.resumed_from is not None:
+            summary["resumed_from"] = float(self.resumed_from)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    def _policy_model(self):
+    def _export(self) -> None:
+        """The policy as a Hugging Face model in ``export/``; with LoRA also the adapters as a
+        PEFT directory ``export/adapter/`` (for the base checkpoint ``model.path``)."""
+        out = self.run_dir / "export"
+        params = self._host_trained_params()
+        export_hf(self._policy_model(params), out, source_dir=self.cfg.model.path)
+        if self.learner.lora is not None:
+            export_adapter(self.learner.lora, params, out / "adapter",
+                           config=self.learner.config, base_model=self.cfg.model.path)
+
+    def _eval_due(self) -> bool:
+        """``trainer.eval_every``: a periodic evaluation after this step (the last step's is
+        eval_after's when that is on)."""
+        every, tcfg = self.cfg.trainer.eval_every, self.cfg.trainer
+        if not every or self.step % every or self.stop_event.is_set():
+            return False
+        return self.step < tcfg.steps or not tcfg.eval_after
+
+    def _host_trained_params(self):
+        """The trained params now (the adapters with LoRA): the learner's own (one process), or
+        the leader's gathered copy (multi-host; the final step's push gathered them)."""
+        if not self.hosts.multi:
+            return self.learner.params
+        params, version = self.hosts.gathered
+        if version != self.version:
+            params = self._params_for_push()
+        return params
+
+    def _policy_model(self, params):
         """The current policy as an nnx model on this host (for the export)."""
         if not self.hosts.multi:
             return self.learner.model()
-        params, version = self.hosts.gathered  # the final step's push gathered them
-        if version != self.version:
-            params = self._params_for_push()
-        return host_model(self.learner, params)
+        return host_model(self.learner, params, base_path=self.cfg.model.path)
 
     def _follow(self) -> dict[str, float]:
         """A follower's run: the leader's train steps, gathers and checkpoints, on its word."""
@@ -526,6 +578,7 @@ class TrainerRun:
             self.hosts.stop(failed=self.status.state == "failed")  # release the followers
             self.parts.close()
             self.metrics_file.close()
+            self.trackers.close()
         self.checkpointer.close()
 
 

@@ -39,8 +39,33 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * y
 
 
+class LoraFactor(nnx.Module):
+    """One factor of a LoRA adapter (``lora_A`` [in, r] or ``lora_B`` [r, out]): x @ weight."""
+
+    def __init__(self, weight: jax.Array):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,io->...o", x, self.weight[...].astype(x.dtype))
+
+
+class LoraKey(nnx.Variable):
+    """The PRNG key of one adapter's input dropout (set only for training forwards)."""
+
+
 class Linear(nnx.Module):
-    """Dense layer y = x @ weight (+ bias), weight [in, out] (see module docstring)."""
+    """Dense layer y = x @ weight (+ bias), weight [in, out] (see module docstring).
+
+    With a LoRA adapter attached (``splitrl.models.lora.attach`` sets ``lora_A``, ``lora_B``,
+    ``lora_scale`` and, for training with dropout, ``lora_dropout`` / ``lora_key``):
+    y = x @ weight + lora_scale * dropout(x) @ lora_A @ lora_B, as PEFT computes it.
+    """
+
+    lora_A: LoraFactor | None = None
+    lora_B: LoraFactor | None = None
+    lora_scale: float = 0.0
+    lora_dropout: float = 0.0
+    lora_key: LoraKey | None = None
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, param_dtype,
                  rngs: nnx.Rngs, std: float):
@@ -50,10 +75,26 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        x = x.astype(self.dtype)
+        y = jnp.einsum("...i,io->...o", x, self.weight[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora_A is not None:
+            h = x
+            if self.lora_key is not None:
+                keep = jax.random.bernoulli(self.lora_key[...], 1.0 - self.lora_dropout, x.shape)
+                h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+            y = y + self.lora_scale * self.lora_B(self.lora_A(h))
         return y
+
+    def effective_weight(self) -> jax.Array:
+        """weight (+ lora_scale * lora_A @ lora_B with an adapter), for callers that read the
+        weight instead of calling the layer (the chunked log-prob path reads the LM head)."""
+        if self.lora_A is None:
+            return self.weight[...]
+        w = self.weight[...]
+        delta = self.lora_A.weight[...].astype(w.dtype) @ self.lora_B.weight[...].astype(w.dtype)
+        return w + self.lora_scale * delta
 
 
 class Embedding(nnx.Module):

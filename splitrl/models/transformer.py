@@ -77,7 +77,7 @@ class CausalLM(nnx.Module):
         """(w, vocab_axis): the embedding [V, D] (axis 0) when tied, else lm_head [D, V] (1)."""
         if self.lm_head is None:
             return self.model.embed_tokens.weight[...], 0
-        return self.lm_head.weight[...], 1
+        return self.lm_head.effective_weight(), 1
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Logits [..., V] in float32 from hidden states [..., D]."""

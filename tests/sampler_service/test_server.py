@@ -428,10 +428,14 @@ def test_sigterm_finishes_the_push_in_flight_then_exits(sampler):
         resume.wait(60)
         yield from msgs[2:]
 
+    log_size = proc.log_path.stat().st_size
     pusher = threading.Thread(target=lambda: replies.append(
         stub.PushWeights(held(), timeout=60, metadata=AUTH)))
     pusher.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30  # the push is in flight: the sampler has its header
+    while ('"push_version": 3' not in proc.log_path.read_text()[log_size:]
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
     proc.proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
     while check_health(proc.address, timeout_s=1) and time.monotonic() < deadline:

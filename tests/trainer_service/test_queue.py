@@ -291,3 +291,21 @@ def test_item_seeds_depend_on_run_seed_and_uid_only():
     assert len({item_seed(0, f"p#{i}") for i in range(1000)}) == 1000
     assert item_seed(1, "p1#7") != item_seed(0, "p1#7")
     assert 0 <= item_seed(123, "x") < 1 << 63
+
+
+def test_an_evaluation_mid_run_drains_only_its_own_lanes_events():
+    q = queue(filter_zero_variance=True)
+    q.add(items(2))
+    claim = q.claim("s0", 0, capacity=8)
+    q.deliver(claim.request_id, group(claim.items[0], rewards=(1.0, 1.0)))  # filtered
+    serve(q, claim, only={"p1#1"})
+    q.finish(claim.request_id)
+    q.add(items(1, start=5, lane=EVAL))
+    evaluation = q.claim("s0", 0, capacity=8)
+    q.finish(evaluation.request_id, Failure("INVALID_ARGUMENT: bad", refused=True))
+    retry = q.claim("s0", 0, capacity=8)
+    q.finish(retry.request_id, Failure("INVALID_ARGUMENT: bad", refused=True))
+    assert [i.uid for i, _ in q.drain_events(EVAL).dropped] == ["p5#5"]
+    train = q.drain_events(TRAIN)  # the train lane's filtered group is still there for it
+    assert [g.item.uid for g in train.filtered] == ["p0#0"] and train.dropped == []
+    assert q.drain_events().filtered == []
