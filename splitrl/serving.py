@@ -400,6 +400,12 @@ def make_channel(
     mutual TLS), and the token on every call when one is configured. Idempotent calls that
     fail with UNAVAILABLE are retried by gRPC (``splitrl.retry.SERVICE_CONFIG``)."""
     options: list[tuple[str, int | str]] = list(grpc_options(max_message_bytes))
+    # Services start concurrently, so a peer is often dialled before it listens; gRPC's default
+    # reconnect back-off (1 s growing to 120 s) would then keep the channel failing long after
+    # the peer is up. Redial within a second on loopback or a cluster network.
+    options += [("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
     options += [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
     creds = channel_credentials(auth)
     if creds is not None:

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -144,6 +145,11 @@ class Launcher:
         return address
 
     def up(self) -> None:
+        """Start every service. The trainer starts as soon as the reward service answers (a
+        broken reward function stops the launch before any trainer exists), not after the
+        samplers: its start-up (imports, model, optimizer state, compiling its train step)
+        then overlaps theirs, and it finds the samplers when they are up (it probes them;
+        they register with it)."""
         started = time.monotonic()
         say(f"starting the reward service and {len(self.sampler_addresses)} sampler(s) (each "
             "loads the model and compiles its programs; logs in "
@@ -152,11 +158,12 @@ class Launcher:
         for i, address in enumerate(self.sampler_addresses):
             self.start_sampler(i, address)
         self.wait_healthy("reward", self.reward_address)
+        say("starting the trainer alongside the samplers (it loads the model and the data and "
+            "compiles its train step while they start, then evaluates and trains)")
+        self.start_trainer()
         for i, address in enumerate(self.sampler_addresses):
             self.wait_healthy(f"sampler-{i}", address)
-        say(f"services up after {time.monotonic() - started:.0f}s; starting the trainer (it "
-            "loads the model and the data, then evaluates and trains)")
-        self.start_trainer()
+        say(f"services up after {time.monotonic() - started:.0f}s")
         if self.metrics_ports:
             ports = ", ".join(f"{n} {p}" for n, p in self.metrics_ports.items())
             say(f"Prometheus metrics: {ports} (targets: {self.run_dir / 'prometheus.json'})")
@@ -247,7 +254,10 @@ class Launcher:
                     samplers=f"{sum(s.healthy for s in status.samplers)}/{alive}",
                     refresh=True,
                 )
-                time.sleep(1.0)
+                try:  # a second between refreshes, but the trainer's exit is seen at once
+                    trainer.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
             show_errors()
         finally:
             bar.close()
@@ -343,10 +353,12 @@ def main(cfg: Config) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    plots = None
     try:
         launcher.up()
         say("reward functions: " + "; ".join(launcher.reward_functions()))
         code = launcher.watch()
+        plots = _plot_in_background(launcher.run_dir)  # while the services shut down
     except KeyboardInterrupt:
         interrupted = True
         say("\ninterrupted: stopping the run (the trainer checkpoints the step it is at)")
@@ -370,18 +382,35 @@ def main(cfg: Config) -> int:
                  f"; checkpoint in {launcher.run_dir}" if step else
                  "stopped before the first step")
         say(f"{where}. To continue from there: {continue_command(launcher)}")
-    if summary:
-        try:
-            from trainer_service.plots import main as plot
-
-            plot(str(launcher.run_dir))
-        except Exception as e:  # plots are a convenience; never fail the run on them
-            say(f"(plots skipped: {e})")
+    if plots is not None:  # started when the trainer finished, while the services stopped
+        plots.join()
+    elif summary:
+        _plot(launcher.run_dir)
     if code != 0 and trainer is not None:
         print(launcher.exit_report("trainer"), file=sys.stderr)
     if code != 0:
         print(f"the run failed (exit code {code}); logs: {launcher.log_dir}", file=sys.stderr)
     return code
+
+
+def _plot(run_dir: Path) -> None:
+    """`splitrl plot` of the run: a convenience that never fails the run."""
+    try:
+        from trainer_service.plots import main as plot
+
+        plot(str(run_dir))
+    except Exception as e:  # plots are a convenience; never fail the run on them
+        say(f"(plots skipped: {e})")
+
+
+def _plot_in_background(run_dir: Path) -> threading.Thread | None:
+    """`_plot` of a finished run (summary.json written) in a thread, so the plots render while
+    the services shut down."""
+    if not (run_dir / "summary.json").exists():
+        return None
+    thread = threading.Thread(target=_plot, args=(run_dir,), name="plots", daemon=True)
+    thread.start()
+    return thread
 
 
 def demo_config_path() -> Path:

@@ -43,7 +43,7 @@ from splitrl.models import from_pretrained, param_shapes
 from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
-from trainer_service.learning.batching import build_train_batch
+from trainer_service.learning.batching import bucket, build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer
 from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
@@ -122,6 +122,7 @@ class TrainerRun:
         self.drawn = 0  # prompts drawn from the data so far: every work item's seq and uid
         self._params_lock = threading.Lock()
         self._push_in_flight: PushInFlight | None = None
+        self._last_step_end: float | None = None  # monotonic time the previous step ended
         if self.hosts.is_leader:
             self.tokenizer = load_tokenizer(cfg.model.path)
             self.pad_id = self.tokenizer.pad_token_id or 0
@@ -147,6 +148,10 @@ class TrainerRun:
 
     def train_step(self) -> dict[str, float]:
         t0 = time.monotonic()
+        # Between the previous step's push and now: drawing, the audit record, a checkpoint,
+        # metrics. With max_staleness 0 the samplers generate meanwhile, so a step's rollouts
+        # take wait + other: both belong to the step's cost (bench/step_breakdown.py).
+        between = t0 - self._last_step_end if self._last_step_end is not None else 0.0
         collected = self._collect(self.cfg.trainer.prompts_per_step)
         t_rollouts = time.monotonic()
         if self.trackers.completions_due(self.step + 1):
@@ -167,7 +172,7 @@ class TrainerRun:
             metrics["skipped"] = 1.0
         t_train = time.monotonic()
         metrics.update(self._push())
-        t_push = time.monotonic()
+        t_push = self._last_step_end = time.monotonic()
         self._draw_ahead()  # the next step's prompts go out while we record and checkpoint
         self.audit.record(self.step, self.version - (0 if metrics.get("skipped") else 1),
                           collected.groups, filtered=collected.filtered,
@@ -179,6 +184,8 @@ class TrainerRun:
             "time/train_s": t_train - t_rollouts,
             "time/push_s": t_push - t_train,
             "time/step_s": t_push - t0,
+            "time/other_s": between,
+            "time/interval_s": between + t_push - t0,
             "throughput/tokens_per_s": tokens / max(t_push - t0, 1e-9),
             "samplers/ready": float(len(self.pool.ready())),
         })
@@ -418,12 +425,16 @@ class TrainerRun:
         try:
             if self.hosts.multi:
                 self._params_for_push()  # the copy that joining samplers are synced from
+            warm_up = self._start_warm_up()
             self.parts.start()
             self._wait_for_samplers()
             if tcfg.eval_before and self.step < tcfg.steps:  # a resumed run: where it starts
                 summary.update(self._evaluate("eval_before"))
                 summary["eval_before/step"] = float(self.step)
             self.status.state = "training"
+            if warm_up is not None:
+                self._draw_ahead()  # the samplers generate the first batch meanwhile
+                warm_up.join()
             started, start_step = time.monotonic(), self.step
             while self.step < tcfg.steps and not self.stop_event.is_set():
                 try:
@@ -454,6 +465,27 @@ class TrainerRun:
             raise
         finally:
             self.close()
+
+    def _start_warm_up(self) -> threading.Thread | None:
+        """Compile the train step for the batch shape the first step will most likely have
+        (every prompt's group, the longest prompt plus the full generation budget), in the
+        background while the samplers start and generate, so the first step does not wait
+        for the compiler. Single-process only (followers must make the same calls)."""
+        report = self.data.length_reports.get("train")
+        if self.hosts.multi or report is None or report.longest == 0:
+            return None
+        rows = self.cfg.trainer.prompts_per_step * self.cfg.algorithm.group_size
+        length = bucket(report.longest + self.cfg.sampling.max_new_tokens)
+
+        def run():
+            try:
+                self.learner.warm_up(rows, length)
+            except Exception:  # only a head start: the first step compiles what is missing
+                log.exception("train step warm-up failed")
+
+        thread = threading.Thread(target=run, name="warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def _report(self, metrics, progress, started: float, start_step: int) -> None:
         set_context(step=self.step, weight_version=self.version)

@@ -240,6 +240,26 @@ class Learner:
         metrics.update(_mean_over_epochs(per_epoch))
         return metrics
 
+    def warm_up(self, rows: int, length: int) -> None:
+        """Compile the train step's programs for batches of `rows` x `length` tokens before
+        the first batch exists (the trainer calls it while the samplers generate).
+
+        Runs the reference forward and the gradient program on an all-masked batch (outputs
+        dropped, parameters untouched) and compiles the optimizer update ahead of time. Changes
+        no state: a run with or without a warm-up trains the same numbers.
+        """
+        shape = (rows, length)
+        empty = TrainBatch(
+            tokens=np.zeros(shape, np.int32), attention_mask=np.zeros(shape, bool),
+            completion_mask=np.zeros(shape, bool), sampler_logprobs=np.zeros(shape, np.float32),
+            advantages=np.zeros(rows, np.float32), group_ids=np.zeros(rows, np.int32))
+        mb = self._micro_batches(empty, empty.completion_mask)[:1]
+        counts = {"num_tokens": 1.0, "num_sequences": 1.0}
+        grads, _, _ = self._accumulate_gradients(mb, None, [self._reference_logprobs(mb[0])],
+                                                 counts)
+        # The update donates params and optimizer state: compiled, not run.
+        _apply_update.lower(self.tx, self.params, self.opt_state, grads).compile()
+
     def _accumulate_gradients(self, micro_batches, old, ref, counts, epoch=0):
         """Sum of the micro-batch gradients (= the full batch's), the logprobs to use as pi_old
         in later epochs, and the batch's loss metrics."""
