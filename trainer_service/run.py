@@ -57,7 +57,7 @@ from trainer_service.orchestration.evaluation import (
 from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.membership import SamplerHandle
 from trainer_service.orchestration.parts import build_leader_parts
-from trainer_service.orchestration.publisher import PushInFlight, PushResult
+from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
 from trainer_service.orchestration.rollouts import (
     EVAL,
@@ -251,7 +251,8 @@ class TrainerRun:
         else:
             results = self.publisher.push_all(self._params_for_push(), self.version)
         self._pushed_version = self.version
-        return {"time/push_wait_s": time.monotonic() - waited, **_push_metrics(results)}
+        finished = push_metrics(results) if results is not None else {}  # none finished yet
+        return {"time/push_wait_s": time.monotonic() - waited, **finished}
 
     def _finish_push(self) -> list[PushResult] | None:
         """Wait for the push in the background, if any; its results."""
@@ -580,24 +581,6 @@ class TrainerRun:
             self.metrics_file.close()
             self.trackers.close()
         self.checkpointer.close()
-
-
-def _push_metrics(results: list[PushResult] | None) -> dict[str, float]:
-    """A finished push in numbers (nothing when none finished): its own time, the bytes the
-    samplers received, what full pushes would have carried, what the trainer sent."""
-    if results is None:
-        return {}
-    pushed = [r for r in results if r.ok]
-    background = [r for r in results if r.background]
-    return {
-        "push/seconds": max((r.seconds for r in pushed), default=0.0),
-        "push/mb": sum(r.bytes for r in pushed) / 2**20,
-        "push/full_mb": sum(r.full_bytes for r in pushed) / 2**20,
-        "push/egress_mb": sum(r.egress_bytes for r in results) / 2**20,
-        "push/delta": float(sum(r.delta for r in pushed)),
-        "push/failed": float(len(results) - len(pushed) - len(background)),
-        "push/background": float(len(background)),
-    }
 
 
 _LOGGED = {

@@ -76,6 +76,23 @@ class PushResult:
     background: bool = False
 
 
+def push_metrics(results: list[PushResult]) -> dict[str, float]:
+    """A finished push in numbers: its own time, the bytes the samplers received, what full
+    pushes would have carried, what the trainer sent, and how many samplers failed or were
+    left to finish in the background."""
+    pushed = [r for r in results if r.ok]
+    background = [r for r in results if r.background]
+    return {
+        "push/seconds": max((r.seconds for r in pushed), default=0.0),
+        "push/mb": sum(r.bytes for r in pushed) / 2**20,
+        "push/full_mb": sum(r.full_bytes for r in pushed) / 2**20,
+        "push/egress_mb": sum(r.egress_bytes for r in results) / 2**20,
+        "push/delta": float(sum(r.delta for r in pushed)),
+        "push/failed": float(len(results) - len(pushed) - len(background)),
+        "push/background": float(len(background)),
+    }
+
+
 class PushInFlight:
     """A ``push_all`` running in the background (:meth:`WeightPublisher.push_all_async`)."""
 
@@ -164,16 +181,10 @@ class WeightPublisher:
         results += [PushResult(h.address, version, False, error="an earlier push still runs",
                                background=True) for h in busy]
         self.history.extend(r for r in results if not r.background)
-        ok = [r for r in results if r.ok]
         if results:
             log.info("weights pushed", extra={
-                "version": version, "samplers": len(ok),
-                "failed": sum(not r.ok and not r.background for r in results),
-                "background": sum(r.background for r in results),
-                "mb": round(sum(r.bytes for r in ok) / 2**20, 2),
-                "egress_mb": round(sum(r.egress_bytes for r in results) / 2**20, 2),
-                "seconds": round(max((r.seconds for r in ok), default=0.0), 3),
-                "delta": sum(r.delta for r in ok)})
+                "version": version, "samplers": sum(r.ok for r in results),
+                **{k.split("/", 1)[1]: round(v, 3) for k, v in push_metrics(results).items()}})
         return results
 
     def _collect(self, futures: dict[Future, list[SamplerHandle]], version: int, *,
