@@ -3,23 +3,34 @@
     HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu python bench/sampler_throughput.py [--quick]
 
 Builds one random Qwen2 checkpoint (4 layers, hidden 512, intermediate 1408, 8 heads / 4 KV
-heads, vocab 16384: ~30M parameters) with `splitrl.models.init_random` + `save_pretrained`,
-then generates 64 prompts (random lengths 16-64) x 128 new tokens with both engines:
-temperature 1.0, top_k 50, no EOS stop (the engine gets no EOS ids; transformers gets
-`eos_token_id=None`), so both produce exactly 64 x 128 tokens. transformers loads the same
-checkpoint with `AutoModelForCausalLM.from_pretrained` in float32, left padding, one batch,
-`torch.set_num_threads(cores)`. SplitRL runs once to compile (reported separately), then is
-timed; transformers gets one warm-up call too. Prints tokens/s of both and the ratio.
+heads, vocab 16384: ~30M parameters) with `splitrl.models.init_random` + `save_pretrained`.
+Both engines load it, sample with temperature 1.0 and top_k 50, and get identical requests:
 
-XLA CPU flags: none are set by default besides the emulated device count (`--devices`, default
-1); the engine runs as the sampler would. `--xla-flags` passes extra flags for experiments.
-Wall-clock figures on a shared machine depend on other processes: the process CPU seconds of
-both engines are printed too, with the load average.
+- **uniform**: 64 prompts (random lengths 16-64) x 128 new tokens, no stop token (the engine
+  gets no EOS ids; transformers gets `eos_token_id=None`), so both produce exactly 64 x 128
+  tokens. transformers: one left-padded batch.
+- **long tail**: the same 64 prompts, 4 completions each (256 sequences through 64 decode
+  rows), up to 128 new tokens, ending at any of a fixed random 1/16 of the vocabulary: under
+  this near-uniform top-50 distribution each token stops a sequence with probability ~1/16,
+  so lengths are geometric with mean ~16 (1/8 of the limit) and a tail to the limit. SplitRL
+  runs it with continuous batching and with its static mode (``batching="static"``: a batch
+  of 64 rows decodes until its last sequence ends, then the next is admitted);
+  transformers in the same 4 batches of 16 prompts x `num_return_sequences=4`, which also
+  decode until their last sequence ends. Tokens are counted up to and including the stop.
+
+SplitRL runs each request once to compile (reported separately), then times the runs in
+interleaved rounds (uniform, continuous, static, uniform, ...; ``--repeats`` rounds, best of
+each kept; same seed, so the same programs), so a change in the machine's load hits every
+mode alike; transformers gets one small warm-up call. Prints tokens/s of each and the three
+ratios. XLA CPU flags: none besides the emulated device count
+(``--devices``, default 1). Wall-clock figures on a shared machine depend on other
+processes: process CPU seconds are printed too, with the load average.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -34,8 +45,12 @@ def parse_args():
     ap.add_argument("--quick", action="store_true", help="small smoke run (8 prompts x 16)")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=1, help="timed SplitRL runs (best is kept)")
+    ap.add_argument("--long-tail-n", type=int, default=4, help="completions per prompt")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="interleaved rounds of timed SplitRL runs (the best of each is kept)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-long-tail", action="store_true")
+    ap.add_argument("--skip-uniform", action="store_true")
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for the JAX engine")
     ap.add_argument("--devices", type=int, default=1,
                     help="emulated CPU devices for a data-parallel sampler mesh (experimental: "
@@ -50,8 +65,7 @@ def main():
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     cores = len(os.sched_getaffinity(0))
-    devices = args.devices
-    flags = f"--xla_force_host_platform_device_count={devices} {args.xla_flags}"
+    flags = f"--xla_force_host_platform_device_count={args.devices} {args.xla_flags}"
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()
     sys.path.insert(0, str(REPO))
 
@@ -59,10 +73,6 @@ def main():
     import numpy as np
     from flax import nnx
 
-    from sampler_service.engine import GenerationEngine
-    from sampler_service.sampling import SamplingOptions
-    from splitrl.config import MeshConfig
-    from splitrl.mesh import build_mesh
     from splitrl.models import TransformerConfig, from_pretrained, init_random, save_pretrained
 
     num_prompts = args.prompts or (8 if args.quick else 64)
@@ -75,83 +85,191 @@ def main():
     rng = np.random.default_rng(0)
     lengths = rng.integers(16, 65, size=num_prompts)
     prompts = [rng.integers(3, config.vocab_size, size=int(n)).tolist() for n in lengths]
-    top_k, temperature = 50, 1.0
+    stops = sorted(rng.choice(np.arange(3, config.vocab_size), config.vocab_size // 16,
+                              replace=False).tolist())
+    work = Workloads(prompts, new_tokens, stops, args.long_tail_n, cores)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
-        model = init_random(config, seed=0, std=0.02)
-        save_pretrained(model, path)
-        del model
-        params = sum(x.size for x in jax.tree.leaves(nnx.state(from_pretrained(path))))
-        print(f"model: qwen2 4x512 (ffn 1408, 8 heads / 4 kv, vocab 16384), {params / 1e6:.1f}M "
-              f"params; {num_prompts} prompts (len {lengths.min()}-{lengths.max()}) x "
-              f"{new_tokens} new tokens; temperature {temperature}, top_k {top_k}; "
-              f"{cores} cores; splitrl mesh {{'data': {devices}}}")
-
-        # ---- SplitRL
+        save_pretrained(init_random(config, seed=0, std=0.02), path)
         model = from_pretrained(path)
-        graphdef, state = nnx.split(model)
-        mesh = build_mesh(MeshConfig(axes={"data": devices}, strategy="replicated"))
-        engine = GenerationEngine(config, graphdef, mesh=mesh, max_batch_size=num_prompts,
-                                  max_sequence_length=64 + new_tokens, eos_token_ids=(),
-                                  pad_token_id=0)
-        state = engine.place_state(state, strategy="replicated")
-        options = SamplingOptions(temperature=temperature, top_k=top_k,
-                                  max_new_tokens=new_tokens, seed=0)
-        t0 = time.perf_counter()
-        out = engine.generate(state, prompts, options)
-        first = time.perf_counter() - t0
-        best, cpu = float("inf"), 0.0
-        for r in range(args.repeats):
-            t0, c0 = time.perf_counter(), time.process_time()
-            out = engine.generate(state, prompts, dict_replace(options, seed=r + 1))
-            if time.perf_counter() - t0 < best:
-                best, cpu = time.perf_counter() - t0, time.process_time() - c0
-        ours_tokens = sum(len(s[0].token_ids) for s in out)
-        ours_tps = ours_tokens / best
-        print(f"splitrl      : {ours_tokens} tokens in {best:.2f} s = {ours_tps:8.1f} tok/s "
-              f"(cpu {cpu:.1f} s; first call incl. compile {first:.2f} s, "
-              f"compile ~{first - best:.2f} s)")
+        params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+        print(f"model: qwen2 4x512 (ffn 1408, 8 heads / 4 kv, vocab 16384), {params / 1e6:.1f}M "
+              f"params; {num_prompts} prompts (len {lengths.min()}-{lengths.max()}); "
+              f"temperature 1.0, top_k 50; {cores} cores; splitrl mesh "
+              f"{{'data': {args.devices}}}; load average {os.getloadavg()[0]:.1f}")
+        runs = {}  # name -> (engine, uniform)
+        engines = {"continuous": work.engine(model, "continuous", args.devices)}
+        if not args.skip_uniform:
+            runs["uniform"] = (engines["continuous"], True)
+        if not args.skip_long_tail:
+            engines["static"] = work.engine(model, "static", args.devices)
+            runs["continuous"] = (engines["continuous"], False)
+            runs["static"] = (engines["static"], False)
+        ours = work.splitrl(model, runs, repeats=args.repeats)
+        for engine in engines.values():
+            engine.close()
+        if not args.skip_long_tail:
+            print(f"long-tail ratio continuous / static = "
+                  f"{ours['continuous'].tps / ours['static'].tps:.2f}x "
+                  f"(cpu-time ratio {ours['static'].cpu_per_token / ours['continuous'].cpu_per_token:.2f}x; "  # noqa: E501
+                  f"load average {os.getloadavg()[0]:.1f} on {cores} cores)")
         if args.skip_transformers:
             return
+        hf = {}
+        if not args.skip_uniform:
+            hf["uniform"] = work.transformers(path, uniform=True)
+            print(f"ratio splitrl / transformers = {ours['uniform'].tps / hf['uniform'].tps:.2f}x "
+                  f"(cpu-time ratio {hf['uniform'].cpu_per_token / ours['uniform'].cpu_per_token:.2f}x; "  # noqa: E501
+                  f"load average {os.getloadavg()[0]:.1f} on {cores} cores)")
+        if not args.skip_long_tail:
+            hf["long"] = work.transformers(path, uniform=False)
+            print(f"long-tail ratio splitrl / transformers = "
+                  f"{ours['continuous'].tps / hf['long'].tps:.2f}x "
+                  f"(cpu-time ratio {hf['long'].cpu_per_token / ours['continuous'].cpu_per_token:.2f}x; "  # noqa: E501
+                  f"load average {os.getloadavg()[0]:.1f} on {cores} cores)")
 
-        # ---- transformers
+
+@dataclasses.dataclass
+class Timing:
+    tokens: int
+    seconds: float
+    cpu: float
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def cpu_per_token(self) -> float:
+        return self.cpu / self.tokens
+
+
+@dataclasses.dataclass
+class Workloads:
+    prompts: list
+    new_tokens: int
+    stops: list
+    n: int
+    cores: int
+
+    def engine(self, model, batching: str, devices: int):
+        from flax import nnx
+
+        from sampler_service.engine import GenerationEngine
+        from splitrl.config import MeshConfig
+        from splitrl.mesh import build_mesh
+
+        mesh = build_mesh(MeshConfig(axes={"data": devices}, strategy="replicated"))
+        return GenerationEngine(model.config, nnx.split(model)[0], mesh=mesh,
+                                max_batch_size=len(self.prompts),
+                                max_sequence_length=64 + self.new_tokens, eos_token_ids=(),
+                                pad_token_id=0, batching=batching)
+
+    def splitrl(self, model, runs: dict, *, repeats: int) -> dict:
+        """Warm each run (first call, compiles), then time ``repeats`` interleaved rounds;
+        prints and returns the best `Timing` of each run."""
+        from flax import nnx
+
+        from sampler_service.sampling import SamplingOptions
+
+        def request(uniform):
+            options = SamplingOptions(temperature=1.0, top_k=50, max_new_tokens=self.new_tokens,
+                                      seed=1, stop_token_ids=() if uniform else tuple(self.stops))
+            return options, 1 if uniform else self.n
+
+        states, first = {}, {}
+        for name, (engine, uniform) in runs.items():
+            if id(engine) not in states:
+                states[id(engine)] = engine.place_state(nnx.state(model), strategy="replicated")
+            options, n = request(uniform)
+            t0 = time.perf_counter()
+            engine.generate(states[id(engine)], self.prompts, options, n=n)
+            first[name] = time.perf_counter() - t0
+        best: dict = {}
+        for _ in range(repeats):
+            for name, (engine, uniform) in runs.items():
+                options, n = request(uniform)
+                before = engine.stats
+                t0, c0 = time.perf_counter(), time.process_time()
+                out = engine.generate(states[id(engine)], self.prompts, options, n=n)
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if name not in best or seconds < best[name][0].seconds:
+                    timing = Timing(sum(len(s.token_ids) for g in out for s in g), seconds, cpu)
+                    best[name] = (timing, out, before, engine.stats)
+        for name, (engine, uniform) in runs.items():
+            timing, out, before, after = best[name]
+            self._report(name, engine.batching, uniform, timing, out, before, after,
+                         first[name])
+        return {name: best[name][0] for name in runs}
+
+    def _report(self, name, batching, uniform, best, out, before, after, first):
+        lengths = [len(s.token_ids) for g in out for s in g]
+        occupancy = ((after["live_row_steps"] - before["live_row_steps"])
+                     / max(after["row_steps"] - before["row_steps"], 1))
+        name = "uniform" if uniform else f"long-tail {batching}"
+        mean = sum(lengths) / len(lengths)
+        print(f"splitrl {name:22}: {best.tokens} tokens in {best.seconds:.2f} s = "
+              f"{best.tps:8.1f} tok/s (cpu {best.cpu:.1f} s; first call incl. compile "
+              f"{first:.2f} s; {len(lengths)} sequences, mean length {mean:.1f}, "
+              f"max {max(lengths)}, at the limit {sum(x == self.new_tokens for x in lengths)}; "
+              f"decode rows busy {occupancy:.0%}; "
+              f"{after['decode_steps'] - before['decode_steps']} decode steps: "
+              f"{after['decode_seconds'] - before['decode_seconds']:.2f} s; prefill "
+              f"{after['prefill_seconds'] - before['prefill_seconds']:.2f} s of "
+              f"{after['prefill_padded_tokens'] - before['prefill_padded_tokens']} tokens, "
+              f"{after['prefill_tokens'] - before['prefill_tokens']} real; "
+              f"load average {os.getloadavg()[0]:.1f})", flush=True)
+
+    def transformers(self, path, *, uniform: bool) -> Timing:
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(cores)
+        torch.set_num_threads(self.cores)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         hf.generation_config.pad_token_id = 0
-        width = max(lengths)
-        ids = torch.zeros((num_prompts, width), dtype=torch.long)
-        attn = torch.zeros((num_prompts, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            attn[i, width - len(p):] = 1
-        kw = dict(attention_mask=attn, do_sample=True, temperature=temperature, top_k=top_k,
-                  top_p=1.0, max_new_tokens=new_tokens,
-                  eos_token_id=None, pad_token_id=0)
+        n = 1 if uniform else self.n
+        per_batch = len(self.prompts) // n  # 64 decode rows per batch, as SplitRL's
+        stops = None if uniform else list(self.stops)
+        kw = dict(do_sample=True, temperature=1.0, top_k=50, top_p=1.0,
+                  max_new_tokens=self.new_tokens, eos_token_id=stops, pad_token_id=0,
+                  num_return_sequences=n)
+        stop_set = set(self.stops)
+        tokens = 0
         with torch.inference_mode():
-            hf.generate(ids[:2], **{**kw, "attention_mask": attn[:2], "max_new_tokens": 4})
+            ids, attn = _left_pad(self.prompts[:2])
+            hf.generate(ids, attention_mask=attn, **{**kw, "max_new_tokens": 4})
             torch.manual_seed(0)
             t0, c0 = time.perf_counter(), time.process_time()
-            seqs = hf.generate(ids, **kw)
-            hf_s, hf_cpu = time.perf_counter() - t0, time.process_time() - c0
-        hf_tokens = int((seqs.shape[1] - width) * num_prompts)
-        hf_tps = hf_tokens / hf_s
-        print(f"transformers : {hf_tokens} tokens in {hf_s:.2f} s = {hf_tps:8.1f} tok/s "
-              f"(cpu {hf_cpu:.1f} s; torch {torch.__version__}, "
+            for lo in range(0, len(self.prompts), per_batch):
+                ids, attn = _left_pad(self.prompts[lo:lo + per_batch])
+                out = hf.generate(ids, attention_mask=attn, **kw)[:, ids.shape[1]:].tolist()
+                for row in out:
+                    if uniform:
+                        tokens += len(row)
+                        continue
+                    end = next((i for i, t in enumerate(row) if t in stop_set), len(row) - 1)
+                    tokens += end + 1
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+        timing = Timing(tokens, seconds, cpu)
+        name = "uniform" if uniform else "long-tail"
+        print(f"transformers {name:17}: {tokens} tokens in {seconds:.2f} s = {timing.tps:8.1f} "
+              f"tok/s (cpu {cpu:.1f} s; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads)")
-        print(f"ratio splitrl / transformers = {ours_tps / hf_tps:.2f}x "
-              f"(cpu-time ratio {hf_cpu / hf_tokens / (cpu / ours_tokens):.2f}x; "
-              f"load average {os.getloadavg()[0]:.1f} on {cores} cores)")
+        return timing
 
 
-def dict_replace(options, **changes):
-    import dataclasses
+def _left_pad(prompts):
+    import torch
 
-    return dataclasses.replace(options, **changes)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    return ids, attn
 
 
 if __name__ == "__main__":

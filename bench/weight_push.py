@@ -9,10 +9,16 @@ run:
 
 - ``ratio push/raw-TCP``: one sampler over the bulk data plane (and the gRPC ``PushWeights``
   path for comparison);
+- the CPU seconds one push to one sampler costs the trainer (this process) and the sampler
+  process, beside those of the raw TCP stream (both ends): on a shared machine the wall-clock
+  ratio moves with the load, the CPU cost much less;
 - wall time and trainer egress bytes for 1, 2 and 4 samplers (one relay chain), and
   ``fan-out trainer egress 4/1``;
 - for the small model, the longest pause generation sees during a swap: Generate calls run back
-  to back while pushes go on, compared with the same calls without a push.
+  to back while pushes go on, compared with the same calls without a push;
+- for the small model, an adapter push (LoRA rank 16 on every attention and MLP projection):
+  its bytes against the full push's (``lora push bytes / full push bytes``), its wall time, and
+  whether the sampler then serves exactly the trainer's merged weights (GetInfo digests).
 
     python bench/weight_push.py            # both sizes (several minutes, ~12 GB of memory)
     python bench/weight_push.py --quick    # the small model only
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -63,9 +70,13 @@ def model_config(size: str) -> TransformerConfig:
                              tie_word_embeddings=True, eos_token_id=1, pad_token_id=0)
 
 
-def start_sampler(model_dir: Path, work: Path, index: int, dtype: str) -> tuple:
+LORA_RANK = 16
+
+
+def start_sampler(model_dir: Path, work: Path, index: int, dtype: str, lora: bool) -> tuple:
     cfg = {
-        "model": {"path": str(model_dir), "dtype": dtype},
+        "model": {"path": str(model_dir), "dtype": dtype,
+                  **({"lora": {"rank": LORA_RANK}} if lora else {})},
         "sampler": {"max_batch_size": 16, "max_sequence_length": 64, "max_chunk_bytes": CHUNK,
                     "mesh": {"axes": {"tensor": 2}, "strategy": "tp"},
                     "register_with_trainer": False},
@@ -117,6 +128,15 @@ def raw_tcp_mb_s(total_bytes: int) -> float:
     return total_bytes / (time.perf_counter() - start) / 1e6
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (all threads) or of process ``pid``."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def generate_latencies(stub, stop: threading.Event, out: list[float]) -> None:
     request = sampler_pb2.GenerateRequest(
         prompts=[common_pb2.Prompt(prompt_id="p", token_ids=[3, 4, 5, 6])],
@@ -136,14 +156,15 @@ def wait_for_calls(latencies: list[float], n: int, timeout_s: float) -> None:
 class Pusher:
     """The trainer's publisher over a pool of the sampler processes (full pushes)."""
 
-    def __init__(self, addresses: list[str], transport: str):
+    def __init__(self, addresses: list[str], transport: str, lora=None, base_fingerprint=None):
         services = ServicesConfig(sampler_addresses=addresses, sampler_timeout_s=600)
         self.pool = SamplerPool(services, max_message_bytes=2 * CHUNK + (1 << 20))
         self.pool.refresh()
         by_address = {h.address: h for h in self.pool.all()}
         self.handles = [by_address[a] for a in addresses]
         self.publisher = WeightPublisher(
-            self.pool, push=PushConfig(transport=transport, delta=False, timeout_s=600))
+            self.pool, push=PushConfig(transport=transport, delta=False, timeout_s=600),
+            lora=lora, base_fingerprint=base_fingerprint)
 
     def push(self, params, version: int, n: int) -> tuple[float, int, list]:
         start = time.perf_counter()
@@ -182,22 +203,30 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> dict:
     out = {"size": size, "params_M": n_params / 1e6, "MB": nbytes / 1e6, "dtype": dtype}
     try:
         for i in range(max(SAMPLERS)):
-            proc, address = start_sampler(model_dir, work, i, dtype)
+            proc, address = start_sampler(model_dir, work, i, dtype, lora=measure_pause)
             procs.append(proc)
             addresses.append(address)
         bulk, grpc_ = Pusher(addresses, "bulk"), Pusher(addresses, "grpc")
         version = 1
         tcp = []
         out["bulk"] = {}
+        cpu = {"raw_tcp": [], "trainer": [], "sampler": []}
         for n in SAMPLERS:
             times, egress = [], []
             for _ in range(rounds):
+                start = cpu_seconds()
                 tcp.append(raw_tcp_mb_s(nbytes))  # interleaved: the same load on both
+                mid, sampler = cpu_seconds(), cpu_seconds(procs[0].pid)
                 seconds, sent, _ = bulk.push(params, version, n)
+                if n == 1:
+                    cpu["raw_tcp"].append(mid - start)
+                    cpu["trainer"].append(cpu_seconds() - mid)
+                    cpu["sampler"].append(cpu_seconds(procs[0].pid) - sampler)
                 version += 1
                 times.append(seconds)
                 egress.append(sent)
             out["bulk"][n] = {"seconds": min(times), "egress_MB": max(egress) / 1e6}
+        out["cpu_s"] = {k: min(v) for k, v in cpu.items()}
         seconds, _, _ = grpc_.push(params, version, 1)
         version += 1
         out["grpc_seconds"] = seconds
@@ -230,6 +259,10 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> dict:
             out["generate_ms_idle_max"] = max(idle) * 1e3
             out["generate_ms_idle_median"] = float(np.median(idle)) * 1e3
             out["generate_ms_during_push_max"] = max(during) * 1e3
+            _, _, full = bulk.push(params, version, 1)
+            version += 1
+            out["lora"] = bench_lora(cfg, model_dir, addresses[:1], params, version,
+                                     full[0].bytes, rounds)
         bulk.close()
         grpc_.close()
         return out
@@ -238,6 +271,39 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> dict:
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=60)
+
+
+def bench_lora(cfg: TransformerConfig, model_dir: Path, addresses: list[str], params,
+               version: int, full_bytes: int, rounds: int) -> dict:
+    """Adapter pushes to one sampler: bytes vs a full push, time, and bitwise serving."""
+    from splitrl import wire
+    from splitrl.models import lora as lora_lib
+    from splitrl.models.hf_io import checkpoint_fingerprint
+
+    spec = lora_lib.LoraSpec(LORA_RANK, 2.0 * LORA_RANK,
+                             lora_lib.resolve_targets(cfg, lora_lib.ALL_PROJECTIONS))
+    rng = np.random.default_rng(0)
+    adapters = {n: (0.01 * rng.standard_normal(a.shape)).astype(np.float32)
+                for n, a in lora_lib.init_adapters(cfg, spec).items()}  # B != 0: a trained one
+    adapters = jax.device_put(adapters, param_shardings(params[next(iter(params))].sharding.mesh,
+                                                        adapters, "fsdp"))
+    pusher = Pusher(addresses, "bulk", lora=spec,
+                    base_fingerprint=checkpoint_fingerprint(model_dir))
+    try:
+        times = []
+        for _ in range(rounds):
+            seconds, _, results = pusher.push(adapters, version, 1)
+            version += 1
+            times.append(seconds)
+        info = pusher.handles[0].stub.GetInfo(sampler_pb2.GetInfoRequest(include_digests=True))
+    finally:
+        pusher.close()
+    merged = lora_lib.merge(params, adapters, spec)
+    want = {n: wire.array_digest(np.asarray(a)) for n, a in merged.items()}
+    served = {p.name: p.digest for p in info.params}
+    return {"targets": len(spec.targets), "bytes": results[0].bytes, "full_bytes": full_bytes,
+            "ratio": results[0].bytes / full_bytes, "seconds": min(times),
+            "bitwise": served == want}
 
 
 def report(row: dict) -> None:
@@ -252,12 +318,23 @@ def report(row: dict) -> None:
     print(f"[{size}] gRPC PushWeights, 1 sampler: {row['MB'] / row['grpc_seconds']:.0f} MB/s "
           f"(ratio {row['grpc_ratio']:.2f})")
     print(f"[{size}] ratio push/raw-TCP: {row['ratio']:.2f}")
+    cpu = row["cpu_s"]
+    print(f"[{size}] CPU seconds per push to 1 sampler: trainer {cpu['trainer']:.3f}, sampler "
+          f"{cpu['sampler']:.3f}; raw TCP of the same bytes (both ends) {cpu['raw_tcp']:.3f} "
+          f"(ratio {cpu['raw_tcp'] / (cpu['trainer'] + cpu['sampler']):.2f})")
     print(f"[{size}] fan-out trainer egress 4/1: {row['egress_4_over_1']:.2f}")
     if "generate_ms_during_push_max" in row:
         print(f"[{size}] generation pause during swaps: longest Generate call "
               f"{row['generate_ms_during_push_max']:.0f} ms while pushing vs "
               f"{row['generate_ms_idle_max']:.0f} ms max / "
               f"{row['generate_ms_idle_median']:.0f} ms median idle")
+    if "lora" in row:
+        lora = row["lora"]
+        print(f"[{size}] LoRA rank {LORA_RANK} on {lora['targets']} projections: adapter push "
+              f"{lora['bytes'] / 1e6:.2f} MB vs full push {lora['full_bytes'] / 1e6:.1f} MB; "
+              f"lora push bytes / full push bytes: {lora['ratio']:.3f}; "
+              f"{lora['seconds']:.3f} s (merge on the sampler included); sampler serves the "
+              f"trainer's merge bitwise: {lora['bitwise']}")
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ import logging
 import time
 
 import grpc
+import numpy as np
 
 from sampler_service import metrics
 from sampler_service.weights import PushResult, PushSession, WeightStore
@@ -225,7 +226,8 @@ class BulkIntake:
                  error: WireError | None) -> tuple[PushSession | None, WireError | None]:
         """CHUNK frames until END: each forwarded, and staged while this sampler's push is
         still good. Raises what breaks the stream itself."""
-        scratch = memoryview(bytearray(self.store.max_chunk_bytes))
+        # Delta payloads and bytes this sampler does not keep land here (a reused buffer).
+        scratch = memoryview(self.store.staging.take((self.store.max_chunk_bytes,), np.uint8))
         while True:
             kind, meta, size, head = stream.recv_head()
             if kind == END and not size:

@@ -13,15 +13,24 @@ TOKENS_GENERATED = Counter(
 SEQUENCES_GENERATED = Counter(
     "splitrl_sampler_sequences_generated_total", "Completions generated.")
 TOKENS_PER_SECOND = Gauge(
-    "splitrl_sampler_tokens_per_second", "Completion tokens per second of the last engine call.")
+    "splitrl_sampler_tokens_per_second", "Completion tokens per second of the last request.")
 BATCH_OCCUPANCY = Gauge(
     "splitrl_sampler_batch_occupancy",
-    "Real rows / padded rows of the last engine call (1.0 = no padding waste).")
+    "Rows that drew a token / decode rows computed, last segment (1.0 = no idle slots).")
+QUEUED_SEQUENCES = Gauge(
+    "splitrl_sampler_queued_sequences",
+    "Completions waiting for a decode slot (requests beyond the batch or KV-cache budget).")
+ACTIVE_SEQUENCES = Gauge(
+    "splitrl_sampler_active_sequences", "Completions in the decode batch.")
+KV_CACHE_BYTES = Gauge(
+    "splitrl_sampler_kv_cache_bytes", "Bytes of KV cache allocated now.")
+KV_CACHE_BUDGET_BYTES = Gauge(
+    "splitrl_sampler_kv_cache_budget_bytes", "The KV-cache budget (sampler.kv_cache_bytes).")
 GENERATE_SECONDS = Histogram(
-    "splitrl_sampler_generate_seconds", "Seconds per engine call.",
+    "splitrl_sampler_generate_seconds", "Seconds from a prompt's admission to its last token.",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 QUEUE_SECONDS = Histogram(
-    "splitrl_sampler_queue_seconds", "Seconds a request waited for the engine.",
+    "splitrl_sampler_queue_seconds", "Seconds a prompt waited for decode slots.",
     buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 5, 30))
 SCORE_SECONDS = Histogram(
     "splitrl_sampler_score_seconds", "Seconds per reward-service Score call.",

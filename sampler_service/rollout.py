@@ -10,30 +10,32 @@ from the config, empty ``stop_token_ids`` = the config's, ``has_seed`` false = a
 seed per request (so two requests never repeat each other's samples). A prompt with its own
 seed (``Prompt.has_seed``) samples from it whatever request carries it.
 
-Engine calls are serialised (one batch on the mesh at a time); each call takes a weight
-snapshot, and every group reports the version it was generated with. A Rollout runs its
-prompts in engine-sized slices and scores slice k on the reward service while slice k+1
-generates, streaming groups as they are scored.
+Every call's prompts go to the one `GenerationEngine` at once and share its batch with
+other calls' (continuous batching); each group reports the weight version it was admitted
+under, and each completion the versions it was generated under. A Rollout scores groups in
+batches as they finish and streams them as they are scored; ``reproducible`` runs the request
+alone in the batch, with no weight update while it generates, so it replays bit for bit.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import queue
 import secrets
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sampler_service import metrics
+from sampler_service.requests import EngineClosed, FinishedGroup, GenerationRequest
 from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
-from splitrl.config import SamplingConfig
+from splitrl.config import MIN_TEMPERATURE, SamplingConfig, temperature_ok
 from splitrl.serving import make_channel
 from splitrl.tokenizer import longest_token_chars
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
@@ -63,14 +65,6 @@ class PreparedPrompt:
     seed: int = 0  # the noise of its completions (see sampling.row_keys)
     messages: list[dict[str, str]] | None = None  # sent as chat messages: for the rewards
     columns_json: str = ""  # the row's dataset columns, passed on to the rewards
-
-
-@dataclass
-class EngineResult:
-    version: int
-    sequences: list  # [prompt][sample] -> GeneratedSequence
-    queue_s: float
-    generate_s: float
 
 
 class RewardClient:
@@ -150,7 +144,6 @@ class RolloutWorker:
         # bound, for normalizers that change the text's length): refused before tokenizing.
         self._longest_token = longest_token_chars(tokenizer) if tokenizer is not None else 1
         self._max_prompt_chars = 2 * self._longest_token * self.max_sequence_length
-        self._engine_lock = threading.Lock()
         self._scorer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="score")
 
     # -- validation -----------------------------------------------------------------------------
@@ -158,9 +151,11 @@ class RolloutWorker:
     def sampling_options(self, params: common_pb2.SamplingParams,
                          where: str = "sampling") -> SamplingOptions:
         t = params.temperature
-        if not math.isfinite(t) or t < 0 or t > MAX_TEMPERATURE:
-            raise RequestError(_INVALID, f"{where}.temperature: expected 0 <= temperature <= "
-                               f"{MAX_TEMPERATURE:g} (0 = greedy), got {t!r}")
+        if not math.isfinite(t) or not temperature_ok(t) or t > MAX_TEMPERATURE:
+            raise RequestError(_INVALID, f"{where}.temperature: expected 0 (greedy) or "
+                               f"{MIN_TEMPERATURE:g} <= temperature <= {MAX_TEMPERATURE:g} "
+                               f"(smaller temperatures overflow float32 logits / temperature), "
+                               f"got {t!r}")
         if params.top_k < 0:
             raise RequestError(_INVALID, f"{where}.top_k: expected >= 0 (0 = off), got "
                                f"{params.top_k}")
@@ -274,50 +269,77 @@ class RolloutWorker:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def run_engine(self, prompts: list[PreparedPrompt], options: SamplingOptions,
-                   n: int) -> EngineResult:
-        queued = time.perf_counter()
-        with self._engine_lock:
-            start = time.perf_counter()
-            version, state = self.weights.snapshot()
-            try:
-                sequences = self.engine.generate(state, [p.token_ids for p in prompts],
-                                                 options, n=n, seeds=[p.seed for p in prompts],
-                                                 version=version)
-            except ValueError as e:  # the engine's own checks; ours should have caught it
-                raise RequestError(_INVALID, str(e)) from None
-            end = time.perf_counter()
-        tokens = sum(len(s.token_ids) for row in sequences for s in row)
-        metrics.QUEUE_SECONDS.observe(start - queued)
-        metrics.GENERATE_SECONDS.observe(end - start)
-        metrics.TOKENS_GENERATED.inc(tokens)
-        metrics.SEQUENCES_GENERATED.inc(len(prompts) * n)
-        metrics.TOKENS_PER_SECOND.set(tokens / (end - start) if end > start else 0.0)
-        stats = getattr(self.engine, "stats", None)
-        if stats:
-            metrics.BATCH_OCCUPANCY.set(stats.get("last_batch_occupancy", 0.0))
-        return EngineResult(version, sequences, start - queued, end - start)
+    def submit(self, prompts: list[PreparedPrompt], options: SamplingOptions, n: int, *,
+               exclusive: bool = False, sink=None) -> GenerationRequest:
+        try:
+            return self.engine.submit([p.token_ids for p in prompts], options, n,
+                                      seeds=[p.seed for p in prompts], exclusive=exclusive,
+                                      sink=sink)
+        except ValueError as e:  # the engine's own checks; ours should have caught it
+            raise RequestError(_INVALID, str(e)) from None
+        except EngineClosed as e:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"the sampler is stopping: {e}") \
+                from None
+
+    @staticmethod
+    def _engine_error(error: BaseException) -> BaseException:
+        if isinstance(error, EngineClosed):
+            return RequestError(grpc.StatusCode.UNAVAILABLE, f"the sampler is stopping: {error}")
+        return error
+
+    @staticmethod
+    def _record(group: FinishedGroup) -> None:
+        metrics.QUEUE_SECONDS.observe(group.queue_s)
+        metrics.GENERATE_SECONDS.observe(group.generate_s)
+        metrics.TOKENS_GENERATED.inc(sum(len(s.token_ids) for s in group.sequences))
+        metrics.SEQUENCES_GENERATED.inc(len(group.sequences))
 
     def completion(self, seq) -> common_pb2.Completion:
         text = self._decode(seq.token_ids)[0] if self.tokenizer else ""
         return common_pb2.Completion(token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,
-                                     finish_reason=seq.finish_reason)
+                                     finish_reason=seq.finish_reason,
+                                     weight_versions=seq.weight_versions)
 
-    def generate(self, request: sampler_pb2.GenerateRequest) -> sampler_pb2.GenerateReply:
+    def generate(self, request: sampler_pb2.GenerateRequest,
+                 context=None) -> sampler_pb2.GenerateReply:
+        """``context``: the RPC's; when it ends (e.g. the client cancels) generation stops."""
         options = self.sampling_options(request.sampling)
         n = self.group_size(request.n, "n", zero_means_one=True)
         prompts = self.prepare(request.prompts, options.max_new_tokens)
         self.assign_seeds(request.prompts, prompts, options)
-        result = self.run_engine(prompts, options, n)
+        handle = self.submit(prompts, options, n)
+        if context is not None:
+            context.add_callback(handle.cancel)
+        groups: dict[int, FinishedGroup] = {}
+        try:
+            for group in handle.groups():
+                self._record(group)
+                groups[group.index] = group
+        except Exception as e:
+            raise self._engine_error(e) from None
+        finally:
+            handle.cancel()
+        if len(groups) != len(prompts):
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the sampler stopped before the "
+                               "request finished")
         outputs = [sampler_pb2.GeneratedPrompt(
             prompt_id=p.prompt_id, prompt_token_ids=p.token_ids,
-            completions=[self.completion(s) for s in row])
-            for p, row in zip(prompts, result.sequences, strict=True)]
-        return sampler_pb2.GenerateReply(outputs=outputs, weight_version=result.version)
+            completions=[self.completion(s) for s in groups[i].sequences])
+            for i, p in enumerate(prompts)]
+        version = min(s.weight_versions[0] for g in groups.values() for s in g.sequences)
+        return sampler_pb2.GenerateReply(outputs=outputs, weight_version=version)
 
     # -- rollout --------------------------------------------------------------------------------
 
-    def rollout(self, request: sampler_pb2.RolloutRequest) -> Iterator[sampler_pb2.ScoredGroup]:
+    def rollout(self, request: sampler_pb2.RolloutRequest,
+                context=None) -> Iterator[sampler_pb2.ScoredGroup]:
+        """Streams one scored group per prompt, in the order they finish (``context``: the
+        RPC's; when it ends, e.g. the trainer cancels, the request's rows are freed).
+
+        The whole request goes to the engine at once (its prompts join the shared batch as
+        decode slots free up; ``reproducible`` runs it alone). Finished groups are scored in
+        batches, one Score call in flight: groups that finish meanwhile wait for the next.
+        """
         options = self.sampling_options(request.sampling)
         group = self.group_size(request.group_size, "group_size")
         prompts = self.prepare(request.prompts, options.max_new_tokens)
@@ -332,57 +354,84 @@ class RolloutWorker:
                                "this sampler has no tokenizer (none in model.path); Rollout "
                                "needs one to decode completions for the reward service")
         self.reward.check_reachable()
-        per_call = max(1, self.max_batch_size // group)
-        pending = None
-        for lo in range(0, len(prompts), per_call):
-            part = prompts[lo : lo + per_call]
-            result = self.run_engine(part, options, group)
-            scoring = self._scorer.submit(self._score_part, request, part, result)
-            if pending is not None:
-                yield from pending.result()
-            pending = scoring
-        if pending is not None:
-            yield from pending.result()
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.submit(prompts, options, group, exclusive=request.reproducible,
+                             sink=events)
+        if context is not None:
+            context.add_callback(handle.cancel)
+        try:
+            yield from self._scored_as_finished(request, prompts, events)
+        finally:
+            handle.cancel()
 
-    def _score_part(self, request, prompts: list[PreparedPrompt],
-                    result: EngineResult) -> list[sampler_pb2.ScoredGroup]:
+    def _scored_as_finished(self, request, prompts: list[PreparedPrompt],
+                            events: queue.SimpleQueue) -> Iterator[sampler_pb2.ScoredGroup]:
+        waiting: list[FinishedGroup] = []
+        scoring, ended, remaining = False, False, len(prompts)
+        while remaining:
+            event = events.get()
+            if isinstance(event, FinishedGroup):
+                self._record(event)
+                waiting.append(event)
+            elif isinstance(event, Future):
+                scoring = False
+                scored = event.result()  # a RequestError from the reward service propagates
+                remaining -= len(scored)
+                yield from scored
+            elif isinstance(event, BaseException):
+                raise self._engine_error(event)
+            else:  # None: the engine is done with the request
+                ended = True
+            if waiting and not scoring:
+                future = self._scorer.submit(self._score_groups, request, prompts, waiting)
+                future.add_done_callback(events.put)
+                waiting, scoring = [], True
+            if ended and remaining and not scoring:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the sampler stopped before "
+                                   "the request finished")
+
+    def _score_groups(self, request, prompts: list[PreparedPrompt],
+                      finished: list[FinishedGroup]) -> list[sampler_pb2.ScoredGroup]:
         items = []
         completions = []
-        for i, (prompt, row) in enumerate(zip(prompts, result.sequences, strict=True)):
+        for group in finished:
+            prompt = prompts[group.index]
             done = []
-            for j, seq in enumerate(row):
+            for j, seq in enumerate(group.sequences):
                 text, raw = self._decode(seq.token_ids)
                 done.append(common_pb2.Completion(
                     token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,
-                    finish_reason=seq.finish_reason))
+                    finish_reason=seq.finish_reason, weight_versions=seq.weight_versions))
                 items.append(reward_pb2.ScoreItem(
-                    item_id=f"{i}:{j}", prompt=prompt.text, completion=text,
+                    item_id=f"{group.index}:{j}", prompt=prompt.text, completion=text,
                     reference=prompt.reference, completion_tokens=len(seq.token_ids),
                     metadata=prompt.metadata, truncated=seq.finish_reason == "length",
                     completion_raw=raw or b"",
                     # One call per function scores the prompt's group, with its columns.
-                    group_id=str(i), columns_json=prompt.columns_json,
+                    group_id=str(group.index), columns_json=prompt.columns_json,
                     prompt_messages=prompt.messages or (), completion_ids=seq.token_ids,
-                    weight_version=result.version))
+                    weight_version=seq.weight_versions[0]))
             completions.append(done)
         start = time.perf_counter()
         scores = self.reward.score(items, request.reward_functions)
         score_s = time.perf_counter() - start
-        groups = []
-        for i, (prompt, done) in enumerate(zip(prompts, completions, strict=True)):
+        out = []
+        for group, done in zip(finished, completions, strict=True):
+            prompt = prompts[group.index]
             for j, completion in enumerate(done):
-                s = scores[f"{i}:{j}"]
+                s = scores[f"{group.index}:{j}"]
                 completion.rewards.update(dict(s.scores))
                 completion.total_reward = s.total
                 completion.reward_reasons.update(dict(s.reasons))
-            groups.append(sampler_pb2.ScoredGroup(
+            out.append(sampler_pb2.ScoredGroup(
                 request_id=request.request_id, prompt_id=prompt.prompt_id,
                 prompt_token_ids=prompt.token_ids, completions=done,
-                weight_version=result.version, sampler_id=self.sampler_id,
-                reference=prompt.reference, metadata=prompt.metadata,
-                timings=common_pb2.Timings(queue_s=result.queue_s, generate_s=result.generate_s,
+                weight_version=min(s.weight_versions[0] for s in group.sequences),
+                sampler_id=self.sampler_id, reference=prompt.reference,
+                metadata=prompt.metadata,
+                timings=common_pb2.Timings(queue_s=group.queue_s, generate_s=group.generate_s,
                                            score_s=score_s)))
-        return groups
+        return out
 
     # -- text -----------------------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from splitrl.config import MIN_TEMPERATURE, temperature_ok
+
 NEG_INF = float("-inf")
 # Blocks for the two-level inverse-CDF over a full vocabulary (XLA's cumsum over 16k+ entries
 # is ~10x slower than a cumsum over block sums followed by one within the chosen block).
@@ -60,8 +62,9 @@ class SamplingOptions:
         def bad(field, expected, value):
             raise ValueError(f"SamplingOptions.{field}: expected {expected}, got {value!r}")
 
-        if not _is_number(self.temperature) or not self.temperature >= 0.0:
-            bad("temperature", "a number >= 0", self.temperature)
+        if not _is_number(self.temperature) or not temperature_ok(self.temperature):
+            bad("temperature", f"0 (greedy) or a number >= {MIN_TEMPERATURE:g} (smaller ones "
+                "overflow float32 logits / temperature)", self.temperature)
         if not _is_int(self.top_k) or self.top_k < 0:
             bad("top_k", "an integer >= 0 (0 = off)", self.top_k)
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -110,15 +113,22 @@ def _is_number(x) -> bool:
 # ---------------------------------------------------------------------------- distributions
 
 
+def _per_row(value) -> jax.Array:
+    """A scalar, or one value per row [R] as a column [R, 1] (broadcasts against [R, V])."""
+    value = jnp.asarray(value, jnp.float32)
+    return value[:, None] if value.ndim == 1 else value
+
+
 def scale_logits(logits: jax.Array, temperature) -> jax.Array:
-    """logits / temperature in float32 (temperature > 0)."""
-    return logits.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    """logits / temperature in float32 (temperature > 0: a scalar or one per row)."""
+    return logits.astype(jnp.float32) / _per_row(temperature)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature) -> jax.Array:
     """log_softmax(logits / temperature)[row, tokens[row]]: the reported logprob (see module doc).
 
-    logits [R, V], tokens [R] -> [R] float32. Computed on the full, untruncated distribution.
+    logits [R, V], tokens [R] -> [R] float32; temperature a scalar or one per row. Computed on
+    the full, untruncated distribution.
     """
     scaled = scale_logits(logits, temperature)
     picked = jnp.take_along_axis(scaled, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
@@ -145,7 +155,7 @@ def top_p_keep_sorted(sorted_logits: jax.Array, top_p) -> jax.Array:
     """
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    return mass_before < jnp.asarray(top_p, jnp.float32)
+    return mass_before < _per_row(top_p)
 
 
 def top_p_filter(logits: jax.Array, top_p) -> jax.Array:
@@ -157,7 +167,7 @@ def top_p_filter(logits: jax.Array, top_p) -> jax.Array:
     """
     logits = logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    target = jnp.asarray(top_p, jnp.float32)
+    target = _per_row(top_p)
 
     def mass_at_or_above(t):
         return jnp.sum(jnp.where(probs >= t, probs, 0.0), axis=-1, keepdims=True)
@@ -198,23 +208,27 @@ def seed_words(seeds: Sequence[int]) -> np.ndarray:
 
 def row_keys(seeds: jax.Array, sample_ids: jax.Array, version: jax.Array) -> jax.Array:
     """One PRNG key per row from its prompt's seed (uint32 [R, 2]), its sample index [R] and
-    the weight version that generates it (uint32 [2]: low, high word).
+    the weight version that generates it (uint32 [2]: low, high word; or one per row [R, 2]).
 
     So completion j of a prompt is drawn from the same noise whichever request, batch or row
-    carries it; a new weight version gives it fresh noise.
+    carries it; a new weight version gives it fresh noise. (With in-flight weight updates a
+    row keeps the key of the version it was admitted under.)
     """
+    version = jnp.broadcast_to(jnp.asarray(version, jnp.uint32), seeds.shape)
 
-    def one(words, sample):
+    def one(words, sample, version):
         key = jax.random.fold_in(jax.random.key(words[0]), words[1])
         key = jax.random.fold_in(jax.random.fold_in(key, version[0]), version[1])
         return jax.random.fold_in(key, sample)
 
-    return jax.vmap(one)(seeds.astype(jnp.uint32), sample_ids.astype(jnp.uint32))
+    return jax.vmap(one)(seeds.astype(jnp.uint32), sample_ids.astype(jnp.uint32), version)
 
 
 def step_uniforms(keys: jax.Array, step) -> jax.Array:
-    """One uniform in (0, 1] per row for decode step `step` (keys [R] -> [R])."""
-    u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, step)))(keys)
+    """One uniform in (0, 1] per row for draw number `step` (a scalar or one per row):
+    keys [R] -> [R]."""
+    steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), keys.shape)
+    u = jax.vmap(lambda k, i: jax.random.uniform(jax.random.fold_in(k, i)))(keys, steps)
     return 1.0 - u  # (0, 1]: a zero target could select a leading zero-probability token
 
 
@@ -251,30 +265,78 @@ def inverse_cdf_sample(logits: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(b * _CDF_BLOCK + j, v - 1).astype(jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplePlan:
+    """The static (compile-time) part of sampling a batch of rows with per-row parameters.
+
+    k_cap: top-k candidates computed (>= every top-k row's k; 0 = no row uses top-k);
+    full: some sampled row draws from the whole vocabulary (its top_k is 0); top_p: some row
+    has top_p < 1; sampled: some row is not greedy (else only argmax runs); greedy: some row
+    is greedy.
+    """
+
+    k_cap: int = 0
+    full: bool = False
+    top_p: bool = False
+    sampled: bool = True
+    greedy: bool = True  # some row is greedy (else no argmax is computed)
+
+
+def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, top_p, greedy,
+                plan: SamplePlan) -> tuple[jax.Array, jax.Array]:
+    """(tokens [R] int32, logprobs [R] float32) for logits [R, V], one parameter set per row.
+
+    temperature/top_p float32 [R], top_k int32 [R] (0 = whole vocabulary, else
+    0 < k <= plan.k_cap), greedy bool [R]. A sampled row draws from softmax(logits /
+    temperature); every row's logprob is `log_softmax(logits / temperature)` at its token (the
+    module doc; a greedy row's temperature only sets that). A row's draw depends on its own
+    parameters and uniform only, never on its neighbours': a top-k row inverts the CDF of its
+    k candidates in descending order (the first k of `lax.top_k(plan.k_cap)`, the rest
+    masked), a whole-vocabulary row the CDF in vocabulary order; top-p keeps the nucleus of
+    what top-k left (renormalised); a greedy row takes the argmax.
+    """
+    logits = logits.astype(jnp.float32)
+    scaled = scale_logits(logits, temperature)
+    tokens = (jnp.argmax(logits, axis=-1).astype(jnp.int32)
+              if plan.greedy or not plan.sampled else None)
+    if plan.sampled:
+        use_top_p = _per_row(top_p) < 1.0 if plan.top_p else None
+        drawn = None
+        if plan.k_cap:
+            values, indices = jax.lax.top_k(scaled, plan.k_cap)
+            values = jnp.where(jnp.arange(plan.k_cap) < top_k[:, None], values, NEG_INF)
+            if plan.top_p:
+                keep = top_p_keep_sorted(values, top_p) | ~use_top_p
+                values = jnp.where(keep, values, NEG_INF)
+            pick = inverse_cdf_sample(values, u)
+            drawn = jnp.take_along_axis(indices, pick[:, None], axis=-1)[:, 0]
+        if plan.full:
+            nucleus = scaled
+            if plan.top_p:
+                nucleus = jnp.where(use_top_p, top_p_filter(scaled, top_p), scaled)
+            whole = inverse_cdf_sample(nucleus, u)
+            drawn = whole if drawn is None else jnp.where(top_k > 0, drawn, whole)
+        drawn = drawn.astype(jnp.int32)
+        tokens = drawn if tokens is None else jnp.where(greedy, tokens, drawn)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    return tokens, picked - jax.nn.logsumexp(scaled, axis=-1)
+
+
 def sample_tokens(logits: jax.Array, u: jax.Array | None, *, temperature, top_k: int,
                   use_top_p: bool, top_p, greedy: bool,
                   logprob_temperature) -> tuple[jax.Array, jax.Array]:
-    """(tokens [R] int32, logprobs [R] float32) for logits [R, V].
+    """`sample_rows` with one parameter set for every row (`top_k`, `use_top_p`, `greedy`
+    static): temperature -> top-k -> top-p (renormalised over the top-k set) -> draw with
+    uniforms u; or argmax when greedy. Sampled rows report logprobs under ``temperature``,
+    greedy ones under ``logprob_temperature``."""
+    r, v = logits.shape
+    k = top_k if 0 < top_k < v else 0
+    plan = SamplePlan(k_cap=k, full=k == 0, top_p=use_top_p, sampled=not greedy,
+                      greedy=greedy)
 
-    temperature -> top-k -> top-p (renormalised over the top-k set) -> draw with uniforms u;
-    or argmax when greedy. `top_k`, `use_top_p` and `greedy` are static. Logprobs follow the
-    module doc: `log_softmax(logits / logprob_temperature)` at the chosen token.
-    """
-    logits = logits.astype(jnp.float32)
-    if greedy:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        scaled = scale_logits(logits, temperature)
-        if 0 < top_k < logits.shape[-1]:
-            # Draw among the k candidates only: sorted, so top-p is a prefix mask.
-            values, indices = jax.lax.top_k(scaled, top_k)
-            if use_top_p:
-                values = jnp.where(top_p_keep_sorted(values, top_p), values, NEG_INF)
-            pick = inverse_cdf_sample(values, u)
-            tokens = jnp.take_along_axis(indices, pick[:, None], axis=-1)[:, 0]
-        else:
-            if use_top_p:
-                scaled = top_p_filter(scaled, top_p)
-            tokens = inverse_cdf_sample(scaled, u)
-        tokens = tokens.astype(jnp.int32)
-    return tokens, token_logprobs(logits, tokens, logprob_temperature)
+    def rows(x, dtype=jnp.float32):
+        return jnp.broadcast_to(jnp.asarray(x, dtype), (r,))
+
+    return sample_rows(logits, u, temperature=rows(logprob_temperature if greedy else temperature),
+                       top_k=rows(k, jnp.int32), top_p=rows(top_p if use_top_p else 1.0),
+                       greedy=rows(greedy, bool), plan=plan)

@@ -100,6 +100,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             instance_id=self.instance_id,
             data_address=self.data_address,
             weights_id=self.weights.weights_id,
+            base_fingerprint=self.weights.base_fingerprint,
         )
         metrics.REQUESTS.labels("GetInfo", "OK").inc()
         return info
@@ -133,7 +134,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     def Generate(self, request, context):
         try:
-            reply = self.worker.generate(request)
+            reply = self.worker.generate(request, context)
         except RequestError as e:
             metrics.REQUESTS.labels("Generate", e.code.name).inc()
             context.abort(e.code, e.message)
@@ -146,7 +147,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
     def Rollout(self, request, context):
         try:
-            yield from self.worker.rollout(request)
+            yield from self.worker.rollout(request, context)
         except RequestError as e:
             metrics.REQUESTS.labels("Rollout", e.code.name).inc()
             log.warning("rollout failed", extra={"code": e.code.name, "reason": e.message,
@@ -252,6 +253,10 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                                      max_chunk_bytes=sampler.max_chunk_bytes,
                                      max_version=config.trainer.steps)
     del model, state
+    if config.model.lora is not None:  # adapter pushes are merged into the checkpoint's weights
+        from splitrl.models.hf_io import checkpoint_fingerprint
+
+        weights.keep_base(checkpoint_fingerprint(config.model.path))
     threading.Thread(target=weights.warm_up, name="warm-up", daemon=True).start()
     tokenizer = _load_tokenizer(config.model.path)
     pad = model_pad = weights.config.pad_token_id
@@ -261,7 +266,11 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                               max_batch_size=sampler.max_batch_size,
                               max_sequence_length=sampler.max_sequence_length,
                               eos_token_ids=_eos_ids(weights.config, tokenizer),
-                              pad_token_id=pad)
+                              pad_token_id=pad, kv_cache_bytes=sampler.kv_cache_bytes,
+                              batching=sampler.batching, segment_steps=sampler.segment_steps,
+                              update_in_flight=sampler.update_in_flight,
+                              weights=weights.snapshot, dtype=dtype)
+    metrics.KV_CACHE_BUDGET_BYTES.set(engine.cache.budget_bytes)
     reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
                            auth=config.services.auth)
               if config.services.reward_address else None)
@@ -293,7 +302,10 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
         "sampler_id": worker.sampler_id, "dtype": serving_dtype,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
-        "fingerprint": weights.fingerprint, "weight_version": weights.version})
+        "max_batch_size": engine.max_batch_size, "kv_cache_bytes": engine.cache.budget_bytes,
+        "batching": sampler.batching, "update_in_flight": sampler.update_in_flight,
+        "fingerprint": weights.fingerprint, "weight_version": weights.version,
+        "base_fingerprint": weights.base_fingerprint})
     return server, servicer
 
 
@@ -374,5 +386,6 @@ def main(config: Config) -> int:
         if registration is not None:
             registration.stop()
         servicer.worker.close()
+        servicer.worker.engine.close()
     print(json.dumps({"event": "stopped", "service": "sampler"}), file=sys.stdout, flush=True)
     return 0

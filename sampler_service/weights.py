@@ -16,17 +16,28 @@ it (gRPC ``PushWeights`` through :meth:`WeightStore.apply_push`, or the bulk dat
    regions, offsets, duplicates, CRC-32C; deltas decoded against the served bytes) and
    assembled on the host one tensor at a time;
 3. the bytes are assembled per device shard of the sampler's own ``NamedSharding`` (in 64-byte
-   aligned host buffers, straight from the socket where the regions allow it); as soon as a
-   tensor is complete each shard goes to its device (``jax.device_put``: on CPU it aliases the
-   buffer, no copy) and a finiteness check of each shard is started on its device
-   (asynchronously: it runs while later tensors arrive). A tensor a delta left bitwise
-   unchanged keeps the served array;
+   aligned host buffers of the store's :class:`splitrl.wire.StagingPool`, reused from push to
+   push once nothing refers to them; straight from the socket where the regions allow it) and
+   every float chunk is checked for NaN/Inf as it lands; complete tensors go to their devices
+   in batches (``jax.device_put`` of a host block per device shard: on CPU it aliases the
+   buffer, no copy). A tensor a delta left bitwise unchanged keeps the served array;
 4. :meth:`PushSession.finish`: all tensors arrived (else INVALID_ARGUMENT naming the missing
    ones), are on device, and are finite (else INVALID_ARGUMENT naming the tensors with NaN/Inf
    and how many: a diverged trainer must not poison the samplers);
 5. :meth:`PushSession.swap`: if the sender is still there (``sender_alive``: connected, within
    its deadline; else CANCELLED: a push its sender gave up on is never applied), the new state
    replaces the old one in one assignment under the lock.
+
+An **adapter push** (``header.lora``, LoRA runs) carries only the adapters' factors (whole,
+float32). The sampler merges them into the base checkpoint it loaded at start and kept
+(:meth:`WeightStore.keep_base`, when its config sets ``model.lora``): in :meth:`PushSession.
+finish` every targeted weight becomes ``W + alpha / rank * A B`` on the sampler's mesh
+(``splitrl.models.lora.merge``, bitwise what the trainer's own merge gives) and is checked
+finite; the rest of the served state is the base's arrays themselves. Merging into the serving
+weights rather than applying the adapters in the forward costs a second copy of the targeted
+weights (the kept base) but nothing per generated token (``bench/lora_serving.py`` measures
+both). A push for another base (``lora.base_fingerprint``), or to a sampler that kept none, is
+refused with FAILED_PRECONDITION.
 
 Any failure discards the staging copy; the old weights keep serving. Pushes are serialised:
 a push that arrives while another is being received is refused at once with ABORTED (the
@@ -53,10 +64,17 @@ from jax.sharding import Mesh, NamedSharding
 from splitrl import wire
 from splitrl.mesh import param_shardings, spec_to_strings
 from splitrl.models import TransformerConfig, hf_from_state, state_from_hf
+from splitrl.models.lora import merge as merge_adapters
 from splitrl.v1 import sampler_pb2, tensor_pb2
 from splitrl.wire import ChunkAssembler, WireError
 
 log = logging.getLogger(__name__)
+
+
+# Complete tensors go to their devices in batches this large (or at the end of the push): few
+# jax calls, while a big model's transfers still overlap with the bytes still arriving.
+_PLACE_BATCH_TENSORS = 32
+_PLACE_BATCH_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -71,15 +89,14 @@ class PushResult:
 
 @jax.jit
 def _finite_shard(x: jax.Array) -> jax.Array:
-    """False iff ``x`` holds a NaN or an Inf: max(|x|) is NaN or Inf then (one read of x; ~3x
-    faster on XLA:CPU than counting them)."""
+    """False iff ``x`` holds a NaN or an Inf: max(|x|) is NaN or Inf then (one read of x)."""
     return jnp.isfinite(jnp.max(jnp.abs(x))) if x.size else jnp.bool_(True)
 
 
 def _finite(array: jax.Array) -> list[jax.Array]:
-    """:func:`_finite_shard` of every shard, each on the device that holds it (small programs
-    per device: no collective, which on XLA:CPU could wait forever on a generation program
-    holding the other devices)."""
+    """:func:`_finite_shard` of every shard, each on the device that holds it, for weights
+    computed on the sampler (adapters merged into the base); received bytes are checked on
+    the host as they land (:func:`splitrl.wire.has_nonfinite`)."""
     return [_finite_shard(s.data) for s in array.addressable_shards if s.replica_id == 0]
 
 
@@ -107,13 +124,26 @@ class PushSession:
         self.started = time.perf_counter()
         served = hf_from_state(store._state) if header.base_id else {}
         self._served = served
+        # An adapter push: the adapters' factors, whole, on the host until finish() merges.
+        self.lora = (wire.spec_from_header(header.lora, store.config)
+                     if header.HasField("lora") else None)
+        self._adapters: dict[str, np.ndarray] = {}
+        manifest, blocks = store.manifest, {n: sorted(set(b.values()))
+                                            for n, b in store.device_blocks.items()}
+        if self.lora is not None:
+            manifest = {n: (wire.ADAPTER_DTYPE, shape)
+                        for n, shape in self.lora.shapes(store.config).items()}
+            blocks = None
         self.assembler = ChunkAssembler(
-            store.manifest, version=header.version, max_chunk_bytes=store.max_chunk_bytes,
+            manifest, version=header.version, max_chunk_bytes=store.max_chunk_bytes,
             tensor_count=header.tensor_count, total_bytes=header.total_bytes,
             base=(lambda name: np.asarray(jax.device_get(served[name]))) if served else None,
-            blocks={n: sorted(set(b.values())) for n, b in store.device_blocks.items()})
+            blocks=blocks, allocate=store.staging.take)
         self.staged: dict[str, jax.Array] = {}
-        self._finite: dict[str, list[jax.Array]] = {}
+        self._finite: dict[str, list[jax.Array]] = {}  # weights merged here (adapter pushes)
+        # Complete tensors not on their devices yet: (name, [(host block, device)]).
+        self._unplaced: list[tuple[str, list[tuple[np.ndarray, jax.Device]]]] = []
+        self._unplaced_bytes = 0
         self._finished = False
         self._closed = False
 
@@ -133,30 +163,48 @@ class PushSession:
     def _place(self, name: str | None) -> None:
         if name is None:
             return
+        if self.lora is not None:
+            self._adapters[name] = self.assembler.pop(name)
+            return
         if self.header.base_id and not self.assembler.modified(name):
             self.assembler.pop(name)
             self.staged[name] = self._served[name]  # bitwise equal: keep the served array
             return
         blocks = self.assembler.pop_blocks(name)
         placement = self.store.device_blocks[name]
-        # One host block per device shard (64-byte aligned: XLA:CPU aliases it, no copy), all
-        # of a tensor's shards in one call (each call costs ~1 ms of Python in jax).
-        devices = list(placement)
-        shards = jax.device_put([blocks[placement[d]] for d in devices], devices)
-        array = jax.make_array_from_single_device_arrays(
-            self.store.manifest[name][1], self.store.shardings[name], shards)
-        self.staged[name] = array
-        if wire.dtype_name(array.dtype) in wire.FLOAT_DTYPES:
-            self._finite[name] = _finite(array)  # dispatched; read in finish()
+        self._unplaced.append((name, [(blocks[bounds], device)
+                                      for device, bounds in placement.items()]))
+        self._unplaced_bytes += sum(b.nbytes for b in blocks.values())
+        if (len(self._unplaced) >= _PLACE_BATCH_TENSORS
+                or self._unplaced_bytes >= _PLACE_BATCH_BYTES):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Complete tensors to their devices: one host block per device shard (64-byte
+        aligned: XLA:CPU aliases it, no copy), many tensors per ``device_put`` call (each call
+        costs ~1 ms of Python in jax, twice what a batched call costs per shard)."""
+        if not self._unplaced:
+            return
+        pairs = [pair for _, shards in self._unplaced for pair in shards]
+        arrays = iter(jax.device_put([b for b, _ in pairs], [d for _, d in pairs]))
+        for name, shards in self._unplaced:
+            self.staged[name] = jax.make_array_from_single_device_arrays(
+                self.store.manifest[name][1], self.store.shardings[name],
+                [next(arrays) for _ in shards])
+        self._unplaced, self._unplaced_bytes = [], 0
 
     # -- completion -------------------------------------------------------------------------
 
     def finish(self) -> None:
         """Every tensor arrived, is on device and is finite; else :class:`WireError`."""
         self.assembler.finish()
+        self._flush()
+        if self.lora is not None:
+            self._merge_adapters()
         jax.block_until_ready(self.staged)
         finite = jax.device_get(self._finite)
-        bad = sorted(n for n, flags in finite.items() if not all(bool(f) for f in flags))
+        bad = sorted({*self.assembler.nonfinite_names(),
+                      *(n for n, flags in finite.items() if not all(bool(f) for f in flags))})
         if bad:
             names = ", ".join(f"{n!r} ({_count_nonfinite(self.staged[n])} of "
                               f"{self.staged[n].size} values)" for n in bad[:5])
@@ -166,6 +214,19 @@ class PushSession:
                             f"Inf) in {len(bad)} tensors: {names}{more}; not applied, version "
                             f"{self.store.version} still serving")
         self._finished = True
+
+    def _merge_adapters(self) -> None:
+        """Stage the kept base with the received adapters merged (on the sampler's mesh)."""
+        bad = sorted(n for n, a in self._adapters.items() if not np.isfinite(a).all())
+        if bad:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"adapter push version {self.header.version} has non-finite values "
+                            f"(NaN or Inf) in {len(bad)} tensors, e.g. {bad[:3]}; not applied, "
+                            f"version {self.store.version} still serving")
+        self.staged = merge_adapters(self.store._base, self._adapters, self.lora)
+        for target in self.lora.targets:
+            name = f"{target}.weight"
+            self._finite[name] = _finite(self.staged[name])
 
     def swap(self, sender_alive: Callable[[], bool] = lambda: True) -> PushResult:
         """Swap the staged weights in, unless the sender has gone (CANCELLED)."""
@@ -190,7 +251,8 @@ class PushSession:
         log.info("weight push applied", extra={
             "weight_version": result.version, "bytes": result.bytes_received,
             "decoded_bytes": result.decoded_bytes, "chunks": result.chunks,
-            "delta": bool(header.base_id), "seconds": round(result.seconds, 4),
+            "delta": bool(header.base_id), "adapters": self.lora is not None,
+            "seconds": round(result.seconds, 4),
             "swap_seconds": round(result.swap_seconds, 6)})
         return result
 
@@ -198,7 +260,10 @@ class PushSession:
         if self._closed:
             return
         self._closed = True
-        self.staged, self._finite, self._served = {}, {}, {}
+        self.staged, self._finite, self._served, self._adapters = {}, {}, {}, {}
+        self._unplaced = []
+        self.assembler = None  # its blocks go back to the staging pool
+        self.store.staging.trim()
         self.store._pushing = None
         self.store._push_lock.release()
 
@@ -234,6 +299,7 @@ class WeightStore:
         self.device_blocks = {n: _device_blocks(self.shardings[n], a.shape)
                               for n, a in flat.items()}
         self.fingerprint = wire.model_fingerprint(config.architecture, self.manifest)
+        self.staging = wire.StagingPool()  # host buffers pushes are assembled in
         self._lock = threading.Lock()
         self._push_lock = threading.Lock()
         self._pushing: tuple[int, str] | None = None
@@ -242,6 +308,9 @@ class WeightStore:
         self._state = state
         self._digests: tuple[int, dict[str, str]] | None = None
         self._generation = 0  # swaps so far
+        # The checkpoint's weights, kept for adapter pushes (keep_base), and their fingerprint.
+        self._base: dict[str, jax.Array] | None = None
+        self.base_fingerprint = ""
 
     @classmethod
     def from_state(cls, config: TransformerConfig, state: nnx.State, mesh: Mesh, *,
@@ -253,6 +322,17 @@ class WeightStore:
         placed = {n: jax.device_put(a, shardings[n]) for n, a in flat.items()}
         return cls(config, state_from_hf(config, placed), mesh, shardings, version=version,
                    max_chunk_bytes=max_chunk_bytes, max_version=max_version)
+
+    def keep_base(self, fingerprint: str) -> None:
+        """Keep the weights serving now (the checkpoint's, before any push) as the base that
+        adapter pushes are merged into; ``fingerprint`` names it
+        (``splitrl.models.hf_io.checkpoint_fingerprint`` of the checkpoint directory)."""
+        with self._lock:
+            if self._weights_id or self._generation:
+                raise RuntimeError("keep_base() must be called before any push: the base is "
+                                   "the checkpoint's weights")
+            self._base = hf_from_state(self._state)
+            self.base_fingerprint = fingerprint
 
     # -- serving side ---------------------------------------------------------------------------
 
@@ -309,11 +389,21 @@ class WeightStore:
         return out
 
     def warm_up(self) -> None:
-        """Compile the non-finite count for every served shape now, not in the first push."""
-        _, state = self.snapshot()
-        arrays = [a for a in hf_from_state(state).values()
-                  if wire.dtype_name(a.dtype) in wire.FLOAT_DTYPES]
-        jax.block_until_ready([_finite(a) for a in arrays])
+        """Allocate (and fault in) the staging buffers of one push now, so that not even the
+        first push pays for fresh pages. A sampler keeping a base for adapter pushes instead
+        compiles the NaN/Inf check of the weights it merges (its pushes are adapters)."""
+        if self._base is not None:
+            arrays = [a for a in self._base.values()
+                      if wire.dtype_name(a.dtype) in wire.FLOAT_DTYPES]
+            jax.block_until_ready([_finite(a) for a in arrays])
+            return
+        if self._push_lock.locked():
+            return  # a push is already taking its own (never hold the push lock here: a
+            # push arriving meanwhile would be refused)
+        self.staging.prefill(
+            [(tuple(b - a for a, b in bounds), wire.numpy_dtype(self.manifest[name][0]))
+             for name, placement in self.device_blocks.items()
+             for bounds in sorted(set(placement.values()))])
 
     @property
     def push_in_progress(self) -> tuple[int, str] | None:
@@ -334,6 +424,8 @@ class WeightStore:
         if header.reset and header.base_id:
             raise WireError(invalid, f"push version {header.version} is a reset and a delta "
                             f"(base_id {header.base_id!r}); a reset must be a full push")
+        if header.HasField("lora"):
+            self._check_adapter_header(header)
         with self._lock:
             current, weights_id = self._version, self._weights_id
         if header.version <= current and not header.reset:
@@ -347,6 +439,26 @@ class WeightStore:
                             f"{header.base_id!r}, but the sampler serves "
                             f"{weights_id or 'the checkpoint'!r} (version {current}); send a "
                             "full push")
+
+    def _check_adapter_header(self, header: sampler_pb2.PushHeader) -> None:
+        if header.base_id:
+            raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"adapter push version {header.version} names base_id "
+                            f"{header.base_id!r}: adapter pushes carry every adapter, never a "
+                            "delta")
+        theirs = header.lora.base_fingerprint
+        if self._base is None:
+            raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"adapter push version {header.version}: this sampler keeps no base "
+                            "checkpoint for LoRA adapters (model.lora is unset in its config); "
+                            "start it with the run's config, or push full weights")
+        if theirs != self.base_fingerprint:
+            raise WireError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"adapter push version {header.version} is for the base checkpoint "
+                            f"{theirs or '(none given)'}, but this sampler's base is "
+                            f"{self.base_fingerprint}: the adapters would apply to other "
+                            "weights; start it from the trainer's model.path")
+        wire.spec_from_header(header.lora, self.config)
 
     def begin_push(self, header: sampler_pb2.PushHeader) -> PushSession:
         """Take the push lock (ABORTED if another push holds it), check ``header``, and return

@@ -9,7 +9,6 @@ container probe must not pay for importing JAX.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
 import sys
@@ -30,8 +29,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_resume_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--resume", choices=["check", "force"], default=None,
+        help="a run dir with a checkpoint resumes only with the same model, algorithm and data "
+             "(check, the default); force resumes whatever changed (trainer.resume)")
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    resume = getattr(args, "resume", None)
+    return [*args.overrides, *([f"trainer.resume={resume}"] if resume else [])]
+
+
 def _config(args: argparse.Namespace) -> Config:
-    return load_config(args.config, args.overrides)
+    return load_config(args.config, _overrides(args))
 
 
 def _call(target: str) -> Callable:
@@ -69,7 +80,7 @@ def _health_auth(args: argparse.Namespace) -> AuthConfig:
     auth = load_config(args.config).services.auth if args.config else AuthConfig()
     flags = {"tls_ca": args.tls_ca, "tls_cert": args.tls_cert, "tls_key": args.tls_key,
              "tls_server_name": args.tls_server_name}
-    return dataclasses.replace(auth, **{k: v for k, v in flags.items() if v is not None})
+    return AuthConfig(**{**auth.model_dump(), **{k: v for k, v in flags.items() if v is not None}})
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -86,8 +97,14 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
+    import json
     import tempfile
 
+    if args.schema:
+        from splitrl.config import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return 0
     cfg = _config(args)
     with tempfile.NamedTemporaryFile("r", suffix=".yaml") as f:
         dump_config(cfg, f.name)
@@ -98,7 +115,7 @@ def _show_config(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int | None:
     from trainer_service.launcher import demo, demo_config_path
 
-    return demo(load_config(args.config or demo_config_path(), args.overrides))
+    return demo(load_config(args.config or demo_config_path(), _overrides(args)))
 
 
 def _list_rewards(args: argparse.Namespace) -> int:
@@ -174,6 +191,19 @@ def _plot(args: argparse.Namespace) -> int:
     return _call("trainer_service.plots:main")(args.run_dir)
 
 
+def _export(args: argparse.Namespace) -> int:
+    from trainer_service.learning.export import export_checkpoint
+
+    try:
+        out, step, _ = export_checkpoint(args.checkpoint, args.out, step=args.step,
+                                         base_model=args.base_model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"splitrl export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported the policy of step {step} to {out} (a Hugging Face directory)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitrl",
@@ -193,16 +223,22 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (target, help_text) in services.items():
         p = sub.add_parser(name, help=help_text)
         _add_config_args(p)
+        if name in ("trainer", "up"):
+            _add_resume_arg(p)
         p.set_defaults(func=_service(target))
 
     p = sub.add_parser(
         "demo", help="the built-in tiny run: create the model if missing, then `up` it"
     )
     _add_config_args(p)
+    _add_resume_arg(p)
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("config", help="print the resolved config (file + overrides)")
+    p = sub.add_parser("config", help="print the resolved config (file + overrides), or with "
+                       "--schema the JSON schema of a config file")
     _add_config_args(p)
+    p.add_argument("--schema", action="store_true",
+                   help="print the JSON schema of the config (for editors) and exit")
     p.set_defaults(func=_show_config)
 
     p = sub.add_parser("init-model", help="write a tiny random HF checkpoint and a tokenizer")
@@ -242,6 +278,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=_list)
 
+    p = sub.add_parser("eval", help="greedy accuracy and pass@k of a model or checkpoint, "
+                       "through samplers it starts (or --sampler)")
+    p.add_argument("target", metavar="MODEL_OR_CHECKPOINT",
+                   help="a Hugging Face directory, or a run / checkpoints / step directory")
+    _add_config_args(p)
+    p.add_argument("--k", default="1,4,16",
+                   help="comma-separated k of pass@k (default 1,4,16; empty: greedy only)")
+    p.add_argument("--samples", type=int, default=None,
+                   help="sampled completions per prompt for pass@k (default: the largest k)")
+    p.add_argument("--sampler", action="append", metavar="HOST:PORT",
+                   help="use this running sampler (repeatable) instead of starting services")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
+    p.add_argument("--out", default=None,
+                   help="directory for eval.json, the services' logs and an exported checkpoint "
+                        "(default: a new temporary directory)")
+    p.set_defaults(func=lambda a: _call("trainer_service.evaluate:main")(a))
+
+    p = sub.add_parser("export", help="write a trainer checkpoint's policy as a Hugging Face "
+                       "directory that transformers loads")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                   help="a run directory (its latest checkpoint), its checkpoints directory, or "
+                        "one step's directory (runs/x/checkpoints/50)")
+    p.add_argument("out", metavar="OUT", help="output directory")
+    p.add_argument("--step", type=int, default=None, help="the step to export (default: latest)")
+    p.add_argument("--base-model", default=None,
+                   help="the model the run started from, if not at its model.path")
+    p.set_defaults(func=_export)
+
     p = sub.add_parser("audit", help="account for every prompt a run drew: trained once, "
                        "filtered, dropped, unfinished; exit 1 if any was trained twice or lost")
     p.add_argument("run_dir")
@@ -259,9 +323,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Arguments, with ``a.b=c`` overrides accepted after options too (``splitrl eval MODEL
+    --k 1,4 trainer.data.eval_size=10``: argparse alone takes positionals in one run)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides")
+                  or any(a.startswith("-") or "=" not in a for a in extra)):
+        parser.parse_args(argv)  # argparse's own error for what it does not know
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     try:
         result = args.func(args)
     except ConfigError as e:

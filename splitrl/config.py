@@ -1,59 +1,106 @@
 """One typed config for every service.
 
 A run is described by one YAML file; each service reads its own section. Dotted overrides on the
-command line (``trainer.steps=50``) are applied on top. Loading is strict, because a typo in a
-key must fail fast with the key's name instead of silently training with a default:
+command line (``trainer.steps=50``) are applied on top. Loading is strict (pydantic v2, see
+``splitrl/config_base.py``), because a typo in a key must fail fast with the key's name instead of
+silently training with a default:
 
 - an unknown key raises ``ConfigError("unknown key 'trainer.stpes' (known: ...)")``;
 - a value of the wrong type raises ``ConfigError("trainer.steps: expected int, got str 'ten'")``;
-- ``__post_init__`` validators check ranges and choices and name the key they reject.
+- field constraints (``PositiveInt``...) and each section's ``model_post_init`` check ranges
+  and choices and name the key they reject.
+
+``splitrl config --schema`` prints the JSON schema (for editors' completion and checks).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import (
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
+
+from splitrl.config_base import (  # noqa: F401  (re-exported: the config's public API)
+    ConfigError,
+    Section,
+    merge_overrides,
+    parse_override,
+    validate,
+)
+from splitrl.recipes import apply_recipe
 
 
-class ConfigError(ValueError):
-    """A config key is unknown, has the wrong type, or holds a value out of range."""
+class LoraConfig(Section):
+    """LoRA adapters, as in PEFT (``splitrl/models/lora.py``, docs/lora.md): only the adapters
+    train, the base stays frozen, pushes carry only the adapters, the export adds a PEFT adapter
+    directory.
+
+    ``target_modules``: a regex that must match a whole Linear module name (PEFT's rule; the
+    parameter name ``<module>.weight`` counts too), or a list of module names or their last
+    part. ``path``: a PEFT adapter directory to start from; then rank, alpha and
+    target_modules left unset are the adapter's. Unset without ``path``: rank 16, alpha
+    2 x rank, every attention and MLP projection. ``dropout`` applies to the adapters' inputs
+    in the trainer's forward.
+    """
+
+    rank: PositiveInt | None = None
+    alpha: PositiveFloat | None = None
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    target_modules: str | list[str] | None = None
+    path: str | None = None
+
+    def model_post_init(self, _context) -> None:
+        if isinstance(self.target_modules, str):
+            import re
+
+            try:
+                re.compile(self.target_modules)
+            except re.error as e:
+                raise ConfigError(f"lora.target_modules: {self.target_modules!r} is not a "
+                                  f"valid regex: {e}") from None
+        elif self.target_modules is not None and not self.target_modules:
+            raise ConfigError("lora.target_modules: expected a regex or a non-empty list of "
+                              "module names, got []")
 
 
-def _check_choice(key: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}: expected one of {list(choices)}, got {value!r}")
+# The smallest sampling temperature other than 0 (greedy): logits / temperature must stay finite
+# in float32 (|logits| of 1e4 / 1e-5 = 1e9), on the sampler and in the trainer's recomputation.
+MIN_TEMPERATURE = 1e-5
 
 
-def _check_positive(key: str, value: float | int | None, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key}: expected a value {bound}, got {value!r}")
+def temperature_ok(value: float) -> bool:
+    """0 (greedy) or at least MIN_TEMPERATURE (as float32 rounds it: requests carry float32)."""
+    return value == 0 or value >= MIN_TEMPERATURE * (1 - 2**-23)
 
 
-@dataclass
-class ModelSection:
+def check_temperature(key: str, value: float) -> None:
+    """0 (greedy) or MIN_TEMPERATURE <= value; a ConfigError naming ``key`` otherwise."""
+    if not temperature_ok(value):
+        raise ConfigError(f"{key}: expected 0 (greedy) or >= {MIN_TEMPERATURE:g} (smaller "
+                          f"temperatures overflow float32 logits / temperature), got {value!r}")
+
+
+class ModelSection(Section):
     """Which checkpoint the policy starts from (a local Hugging Face directory or a hub name)."""
 
     path: str = "models/tiny-arith"
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Attention/logit chunking for the training path (tokens per chunk).
-    logprob_chunk_size: int = 256
+    logprob_chunk_size: PositiveInt = 256
+    # LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on.
+    lora: LoraConfig | None = None
 
-    def __post_init__(self):
-        _check_positive("model.logprob_chunk_size", self.logprob_chunk_size)
 
-
-@dataclass
-class MeshConfig:
+class MeshConfig(Section):
     """A device mesh for one service.
 
     Either give ``axes`` explicitly (``{"fsdp": 4}``, ``{"data": 1, "tensor": 2}``) or leave the
@@ -62,13 +109,13 @@ class MeshConfig:
     share one host the way MaxText splits trainer/sampler device fractions.
     """
 
-    axes: dict[str, int] = field(default_factory=lambda: {"fsdp": -1})
+    axes: dict[str, int] = Field(default_factory=lambda: {"fsdp": -1})
     device_fraction: float = 1.0
-    device_offset: int = 0
+    device_offset: NonNegativeInt = 0
     # How parameters are laid out on the mesh: "fsdp", "tp" (tensor parallel), "replicated".
     strategy: Literal["fsdp", "tp", "replicated"] = "fsdp"
 
-    def __post_init__(self):
+    def model_post_init(self, _context) -> None:
         if not self.axes:
             raise ConfigError("mesh.axes: expected at least one axis, got {}")
         if sum(1 for v in self.axes.values() if v == -1) > 1:
@@ -80,55 +127,49 @@ class MeshConfig:
             raise ConfigError(
                 f"mesh.device_fraction: expected 0 < fraction <= 1, got {self.device_fraction}"
             )
-        _check_positive("mesh.device_offset", self.device_offset, allow_zero=True)
 
 
-@dataclass
-class SamplingConfig:
+class SamplingConfig(Section):
     """Sampling used for rollouts. Logprobs are reported under the temperature-scaled
     distribution (before top-k/top-p truncation), which the trainer reproduces exactly."""
 
-    temperature: float = 1.0
-    top_k: int = 0
+    temperature: NonNegativeFloat = 1.0
+    top_k: NonNegativeInt = 0
     top_p: float = 1.0
-    max_new_tokens: int = 8
-    stop_token_ids: list[int] = field(default_factory=list)
+    max_new_tokens: PositiveInt = 8
+    stop_token_ids: list[int] = Field(default_factory=list)
     # Seed of requests whose prompts carry no seed of their own (Generate, evaluation tools).
     # Training rollouts draw their noise from trainer.seed and each prompt's uid.
     seed: int = 0
 
-    def __post_init__(self):
-        _check_positive("sampling.temperature", self.temperature, allow_zero=True)
-        _check_positive("sampling.top_k", self.top_k, allow_zero=True)
+    def model_post_init(self, _context) -> None:
+        check_temperature("sampling.temperature", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"sampling.top_p: expected 0 < top_p <= 1, got {self.top_p}")
-        _check_positive("sampling.max_new_tokens", self.max_new_tokens)
 
 
-@dataclass
-class RewardFunctionConfig:
+class RewardFunctionConfig(Section):
     """One reward function: a built-in name or ``module:function``, its weight and options."""
 
     name: str = "math_accuracy"
     weight: float = 1.0
     timeout_s: float | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
 
 
-@dataclass
-class RewardConfig:
-    functions: list[RewardFunctionConfig] = field(
+class RewardConfig(Section):
+    functions: list[RewardFunctionConfig] = Field(
         default_factory=lambda: [RewardFunctionConfig()]
     )
-    workers: int = 2
-    timeout_s: float = 5.0
+    workers: PositiveInt = 2
+    timeout_s: PositiveFloat = 5.0
     max_items_per_request: int = 4096
     max_request_bytes: int = 64 * 1024 * 1024
     # A worker whose item overruns its time limit by this much is killed and replaced.
-    kill_grace_s: float = 0.5
+    kill_grace_s: PositiveFloat = 0.5
     # Address-space limit per scoring worker (MiB; None = unlimited): a runaway computation
     # fails with MemoryError instead of exhausting the host.
-    worker_memory_mb: int | None = 4096
+    worker_memory_mb: PositiveInt | None = 4096
     # The function whose score measures correctness: evaluation accuracy and the training
     # accuracy/mean metric are its mean score. None: the first of ``functions``.
     accuracy_function: str | None = None
@@ -139,7 +180,7 @@ class RewardConfig:
     max_error_fraction: float = 0.1
     first_batch_max_error_fraction: float = 0.0
 
-    def __post_init__(self):
+    def model_post_init(self, _context) -> None:
         names = [f.name for f in self.functions]
         if self.accuracy_function is not None and self.accuracy_function not in names:
             raise ConfigError(f"reward.accuracy_function: expected one of the configured "
@@ -149,84 +190,67 @@ class RewardConfig:
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"reward.{key}: expected a fraction in [0, 1] (1 = never "
                                   f"stop), got {value!r}")
-        _check_positive("reward.workers", self.workers)
-        _check_positive("reward.timeout_s", self.timeout_s)
-        _check_positive("reward.kill_grace_s", self.kill_grace_s)
-        _check_positive("reward.worker_memory_mb", self.worker_memory_mb)
 
 
-@dataclass
-class AlgorithmConfig:
-    """The RL objective. Every GRPO-family variant is a combination of these switches."""
+class AlgorithmConfig(Section):
+    """The RL objective. Every GRPO-family variant is a combination of these switches; a
+    ``recipe`` sets a paper's combination (``splitrl/recipes.py``, docs/algorithms.md), and any
+    key set next to it overrides the recipe's value."""
 
+    recipe: Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token"] | None = None
     loss: Literal["grpo", "gspo", "gspo-token"] = "grpo"
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
     advantage_std: Literal["group", "batch"] = "group"
     aggregation: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"
     ] = "token-mean"
-    constant_normalizer: int | None = None
+    constant_normalizer: PositiveInt | None = None
     # None = the loss's paper default (0.2/0.2 for grpo, 3e-4/4e-4 for gspo).
-    eps_low: float | None = None
-    eps_high: float | None = None
+    eps_low: NonNegativeFloat | None = None
+    eps_high: NonNegativeFloat | None = None
     dual_clip: float | None = None
-    beta: float = 0.0
+    beta: NonNegativeFloat = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    tis_cap: float | None = 2.0
-    logratio_clamp: float = 20.0
+    tis_cap: PositiveFloat | None = 2.0
+    logratio_clamp: PositiveFloat = 20.0
     # DAPO's dynamic sampling: groups whose rewards are all equal are not trained on; the
     # trainer draws more prompts until a step has prompts_per_step groups with signal, at most
     # max_extra_draws more per step (None: 3 x prompts_per_step), then trains on what it has.
     filter_zero_variance: bool = False
-    max_extra_draws: int | None = None
+    max_extra_draws: NonNegativeInt | None = None
     entropy_coef: float = 0.0
-    group_size: int = 16
+    group_size: PositiveInt = 16
 
-    def __post_init__(self):
-        _check_positive("algorithm.beta", self.beta, allow_zero=True)
-        _check_positive("algorithm.group_size", self.group_size)
-        _check_positive("algorithm.max_extra_draws", self.max_extra_draws, allow_zero=True)
-        _check_positive("algorithm.constant_normalizer", self.constant_normalizer)
-        _check_positive("algorithm.eps_low", self.eps_low, allow_zero=True)
-        _check_positive("algorithm.eps_high", self.eps_high, allow_zero=True)
-        _check_positive("algorithm.tis_cap", self.tis_cap)
-        _check_positive("algorithm.logratio_clamp", self.logratio_clamp)
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe(cls, values: Any) -> Any:
+        return apply_recipe(values) if isinstance(values, dict) else values
+
+    def model_post_init(self, _context) -> None:
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ConfigError(f"algorithm.dual_clip: expected a value > 1, got {self.dual_clip}")
 
 
-@dataclass
-class OptimizerConfig:
-    lr: float = 1e-3
+class OptimizerConfig(Section):
+    lr: PositiveFloat = 1e-3
     schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     total_steps: int | None = None
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     max_grad_norm: float | None = 1.0
 
-    def __post_init__(self):
-        _check_positive("optimizer.lr", self.lr)
-        _check_positive("optimizer.warmup_steps", self.warmup_steps, allow_zero=True)
-        _check_positive("optimizer.weight_decay", self.weight_decay, allow_zero=True)
 
-
-@dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     dir: str | None = None  # default: <run_dir>/checkpoints
-    every: int = 10
-    keep: int = 2
+    every: PositiveInt = 10
+    keep: PositiveInt = 2
     async_save: bool = True
 
-    def __post_init__(self):
-        _check_positive("checkpoint.every", self.every)
-        _check_positive("checkpoint.keep", self.keep)
 
-
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     """Where prompts come from. ``task`` is a built-in (arithmetic, gsm8k, math500) or
     ``files`` for local json/jsonl/parquet files or a hub dataset name (docs/data.md).
 
@@ -248,16 +272,12 @@ class DataConfig:
     shuffle_seed: int = 0
     epochs: int | None = None
     eval_size: int | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    max_prompt_tokens: int | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    max_prompt_tokens: PositiveInt | None = None
     long_prompt_policy: Literal["drop", "truncate_left", "error"] = "drop"
 
-    def __post_init__(self):
-        _check_positive("data.max_prompt_tokens", self.max_prompt_tokens)
 
-
-@dataclass
-class DistributedConfig:
+class DistributedConfig(Section):
     """Multi-host JAX for the trainer (``jax.distributed.initialize``); see splitrl/distributed.py.
 
     All fields are optional. A single process (the default) initializes nothing. Unset fields are
@@ -267,14 +287,11 @@ class DistributedConfig:
 
     # "host:port" of process 0, e.g. trainer-0.trainer-workers:8476 in an indexed Job.
     coordinator_address: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
-    initialization_timeout_s: int = 300
+    num_processes: PositiveInt | None = None
+    process_id: NonNegativeInt | None = None
+    initialization_timeout_s: PositiveInt = 300
 
-    def __post_init__(self):
-        _check_positive("distributed.num_processes", self.num_processes)
-        _check_positive("distributed.process_id", self.process_id, allow_zero=True)
-        _check_positive("distributed.initialization_timeout_s", self.initialization_timeout_s)
+    def model_post_init(self, _context) -> None:
         if (
             self.num_processes is not None
             and self.process_id is not None
@@ -293,8 +310,7 @@ class DistributedConfig:
                 )
 
 
-@dataclass
-class PushConfig:
+class PushConfig(Section):
     """How the trainer sends its weights to the samplers (docs/weight-sync.md)."""
 
     # "bulk": the data plane of every sampler that offers one (GetInfo.data_address), gRPC
@@ -307,55 +323,52 @@ class PushConfig:
     # when that is smaller (bulk transport; the trainer keeps a host copy of the last push).
     delta: bool = True
     # One push, from the first byte to the last sampler's final report.
-    timeout_s: float = 300.0
+    timeout_s: PositiveFloat = 300.0
     # A data-plane peer that says nothing for this long has failed.
-    idle_timeout_s: float = 30.0
+    idle_timeout_s: PositiveFloat = 30.0
     # Once one sampler has a push, the trainer waits this long for the others and goes on; a
     # slow or stopped sampler's push finishes (or fails) in the background, and it gets work
     # again once it holds recent enough weights.
-    straggler_wait_s: float = 10.0
-
-    def __post_init__(self):
-        _check_positive("trainer.push.timeout_s", self.timeout_s)
-        _check_positive("trainer.push.idle_timeout_s", self.idle_timeout_s)
-        _check_positive("trainer.push.straggler_wait_s", self.straggler_wait_s)
+    straggler_wait_s: PositiveFloat = 10.0
 
 
-@dataclass
-class TrainerConfig:
-    steps: int = 100
-    prompts_per_step: int = 16
-    micro_batch_size: int | None = None
-    epochs_per_batch: int = 1
-    max_staleness: int = 0
+class TrainerConfig(Section):
+    steps: NonNegativeInt = 100
+    prompts_per_step: PositiveInt = 16
+    micro_batch_size: PositiveInt | None = None
+    epochs_per_batch: PositiveInt = 1
+    max_staleness: NonNegativeInt = 0
     # Prompts per Rollout request. In a synchronous run (max_staleness 0) a step's prompts are
     # cut into requests of this size in draw order, so the run is the same whichever sampler
     # answers first and however many samplers there are. None: half a step, at most one
     # sampler batch (sampler.max_batch_size // group_size). Asynchronous runs fill each
     # sampler up to its capacity instead.
-    prompts_per_request: int | None = None
-    push_every: int = 1
+    prompts_per_request: PositiveInt | None = None
+    push_every: PositiveInt = 1
     # The run's seed: with the prompt's uid it makes the noise of every completion.
     seed: int = 0
     run_dir: str = "runs/latest"
     eval_before: bool = True
     eval_after: bool = True
-    log_every: int = 1
-    mesh: MeshConfig = field(default_factory=lambda: MeshConfig(axes={"fsdp": -1}))
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    push: PushConfig = field(default_factory=PushConfig)
+    # Greedy evaluation every N steps during the run (metrics eval/*; None: only before/after).
+    eval_every: PositiveInt | None = None
+    log_every: PositiveInt = 1
+    # Experiment trackers besides metrics.jsonl: "tensorboard" (event files in
+    # <run_dir>/tensorboard) and/or "wandb" (WANDB_MODE=offline writes <run_dir>/wandb).
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    # A table of sample completions goes to the trackers every N steps (0: never).
+    completions_every: NonNegativeInt = 10
+    # A run dir that holds a checkpoint resumes only with the same model, algorithm and data
+    # ("check"; a different config is refused, naming the keys); "force" resumes regardless.
+    resume: Literal["check", "force"] = "check"
+    mesh: MeshConfig = Field(default_factory=lambda: MeshConfig(axes={"fsdp": -1}))
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    push: PushConfig = Field(default_factory=PushConfig)
 
-    def __post_init__(self):
-        _check_positive("trainer.steps", self.steps, allow_zero=True)
-        _check_positive("trainer.prompts_per_step", self.prompts_per_step)
-        _check_positive("trainer.micro_batch_size", self.micro_batch_size)
-        _check_positive("trainer.epochs_per_batch", self.epochs_per_batch)
-        _check_positive("trainer.max_staleness", self.max_staleness, allow_zero=True)
-        _check_positive("trainer.push_every", self.push_every)
-        _check_positive("trainer.prompts_per_request", self.prompts_per_request)
+    def model_post_init(self, _context) -> None:
         if self.push_every > self.max_staleness + 1:
             raise ConfigError(
                 f"trainer.push_every: samplers must get new weights at least every "
@@ -369,48 +382,53 @@ class TrainerConfig:
                 f"{' '.join(f'trainer.{k}=false' for k in evals)})")
 
 
-@dataclass
-class SamplerConfig:
-    max_batch_size: int = 256
-    max_sequence_length: int = 256
-    max_chunk_bytes: int = 4 * 1024 * 1024 - 64 * 1024
-    mesh: MeshConfig = field(
+class SamplerConfig(Section):
+    max_batch_size: PositiveInt = 256
+    max_sequence_length: PositiveInt = 256
+    max_chunk_bytes: PositiveInt = 4 * 1024 * 1024 - 64 * 1024
+    mesh: MeshConfig = Field(
         default_factory=lambda: MeshConfig(axes={"tensor": -1}, strategy="tp")
     )
     # Reported in GetInfo and every ScoredGroup; "" = advertised host:port.
     sampler_id: str = ""
     # Deadline of one Score call to the reward service.
-    reward_timeout_s: float = 120.0
+    reward_timeout_s: PositiveFloat = 120.0
     # On SIGTERM: how long in-flight calls may take to finish before the server exits.
-    shutdown_grace_s: float = 30.0
+    shutdown_grace_s: NonNegativeFloat = 30.0
     # Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
     # Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up.
     register_with_trainer: bool = True
+    # Memory for the decode KV cache, in bytes; 0 = what max_batch_size sequences of
+    # max_sequence_length need. The engine never allocates more (sequences beyond it queue);
+    # GetInfo's max_batch_size is min(max_batch_size, sequences of max_sequence_length that
+    # fit), so a trainer's capacity is always admissible.
+    kv_cache_bytes: NonNegativeInt = 0
+    # "continuous": finished sequences' decode slots are refilled from waiting prompts between
+    # segments; "static": a batch decodes until its last sequence ends (for comparison).
+    batching: Literal["continuous", "static"] = "continuous"
+    # Decode steps per compiled segment (between segments slots are retired and refilled).
+    segment_steps: PositiveInt = 16
+    # Apply a weight push to sequences in flight at the next segment boundary (their
+    # Completion.weight_versions then list every version); false = a sequence finishes on the
+    # weights it started with and a push waits until they drain.
+    update_in_flight: bool = False
     # The dtype the sampler serves (None: model.dtype). "bfloat16" with float32 training: the
     # trainer keeps float32 master weights and sends bfloat16 (half the bytes).
     dtype: Literal["float32", "bfloat16"] | None = None
     # The bulk weight data plane (docs/weight-sync.md): its TCP port on services.host (0: any
     # free port; advertised in GetInfo), or None for gRPC PushWeights only.
-    data_port: int | None = 0
+    data_port: NonNegativeInt | None = 0
     # A push (either transport) that sends nothing for this long is abandoned, releasing the
     # push lock; a relay declares its next sampler gone after this long without a word.
-    push_idle_timeout_s: float = 30.0
+    push_idle_timeout_s: PositiveFloat = 30.0
 
-    def __post_init__(self):
-        _check_positive("sampler.max_batch_size", self.max_batch_size)
-        _check_positive("sampler.max_sequence_length", self.max_sequence_length)
-        _check_positive("sampler.max_chunk_bytes", self.max_chunk_bytes)
-        _check_positive("sampler.reward_timeout_s", self.reward_timeout_s)
-        _check_positive("sampler.shutdown_grace_s", self.shutdown_grace_s, allow_zero=True)
-        _check_positive("sampler.data_port", self.data_port, allow_zero=True)
+    def model_post_init(self, _context) -> None:
         if self.data_port is not None and self.data_port > 65535:
             raise ConfigError(f"sampler.data_port: expected a TCP port <= 65535, got "
                               f"{self.data_port}")
-        _check_positive("sampler.push_idle_timeout_s", self.push_idle_timeout_s)
 
 
-@dataclass
-class AuthConfig:
+class AuthConfig(Section):
     """Who may call the services (``splitrl/auth.py``; threat model in docs/security.md).
 
     The shared token is ``token``, else env ``token_env``, else ``token_file``. With a token set
@@ -425,7 +443,7 @@ class AuthConfig:
     token_file: str | None = None
     # "package.Service/Method" callable without the token. Health/Check: Kubernetes' gRPC
     # probes and `splitrl health` send no token. Trainer/Status: read-only progress.
-    open_methods: list[str] = field(default_factory=lambda: [
+    open_methods: list[str] = Field(default_factory=lambda: [
         "grpc.health.v1.Health/Check", "splitrl.v1.Trainer/Status"])
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -435,7 +453,7 @@ class AuthConfig:
     # one certificate can serve pods whose IPs change.
     tls_server_name: str | None = None
 
-    def __post_init__(self):
+    def model_post_init(self, _context) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             unset, other = ("tls_key", "tls_cert") if self.tls_cert else ("tls_cert", "tls_key")
             raise ConfigError(f"auth.{unset}: expected a file since {other} is set (a "
@@ -455,8 +473,7 @@ class AuthConfig:
                         f"auth.open_methods[{i}]: expected one of {known}, got {method!r}")
 
 
-@dataclass
-class ServicesConfig:
+class ServicesConfig(Section):
     """Addresses and membership. The same section drives the launcher, compose and Kubernetes."""
 
     host: str = "127.0.0.1"
@@ -467,33 +484,31 @@ class ServicesConfig:
     trainer_address: str = "127.0.0.1:50200"
     sampler_port: int = 50300
     # Static sampler addresses; and/or a DNS name that resolves to many (compose, headless svc).
-    sampler_addresses: list[str] = field(default_factory=list)
+    sampler_addresses: list[str] = Field(default_factory=list)
     sampler_dns: str | None = None
-    num_samplers: int = 2
-    heartbeat_s: float = 2.0
+    num_samplers: NonNegativeInt = 2
+    heartbeat_s: PositiveFloat = 2.0
     sampler_timeout_s: float = 10.0
+    # How long the trainer waits for a ready sampler (at start, and whenever none is left)
+    # before it gives up with an error.
+    sampler_wait_s: PositiveFloat = 600.0
     metrics_port: int | None = None
-    auth: AuthConfig = field(default_factory=AuthConfig)
-
-    def __post_init__(self):
-        _check_positive("services.num_samplers", self.num_samplers, allow_zero=True)
-        _check_positive("services.heartbeat_s", self.heartbeat_s)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
 
-@dataclass
-class Config:
+class Config(Section):
     """The whole run. Each service reads the sections it needs."""
 
     run_name: str = "splitrl"
-    model: ModelSection = field(default_factory=ModelSection)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    services: ServicesConfig = field(default_factory=ServicesConfig)
+    model: ModelSection = Field(default_factory=ModelSection)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
 
-    def __post_init__(self):
+    def model_post_init(self, _context) -> None:
         room = self.sampler.max_sequence_length - self.sampling.max_new_tokens
         if room < 1:
             raise ConfigError(
@@ -515,135 +530,16 @@ class Config:
 
 
 # ----------------------------------------------------------------------------------------------
-# Strict construction from plain data
+# Loading
 
 
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
+def from_dict(cls: type, data: dict[str, Any]) -> Any:
+    """Section ``cls`` from plain data, rejecting unknown keys and wrong types."""
+    return validate(cls, data)
 
 
-def _coerce(key: str, tp: Any, value: Any) -> Any:
-    """Check ``value`` against the annotation ``tp`` and build nested dataclasses."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, arg, value)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(
-                f"{key}: expected a mapping for {tp.__name__}, got {type(value).__name__} {value!r}"
-            )
-        return from_dict(tp, value, prefix=key)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        return [_coerce(f"{key}[{i}]", args[0], v) for i, v in enumerate(value)] if args else list(
-            value
-        )
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
-        if not args:
-            return dict(value)
-        return {str(k): _coerce(f"{key}.{k}", args[1], v) for k, v in value.items()}
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected float, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected int, got {type(value).__name__} {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected bool, got {type(value).__name__} {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected str, got {type(value).__name__} {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)}")
-
-
-def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and wrong types."""
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{prefix}.{key}" if prefix else str(key)
-        if key not in fields:
-            raise ConfigError(f"unknown key '{full}' (known: {', '.join(sorted(fields))})")
-        kwargs[key] = _coerce(full, hints[key], value)
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        # Validators name the key relative to the section; prefix it with where the section is.
-        msg = str(e)
-        if prefix and not msg.startswith(prefix):
-            head = prefix.rsplit(".", 1)[-1] + "."
-            msg = prefix + "." + msg[len(head):] if msg.startswith(head) else f"{prefix}: {msg}"
-        raise ConfigError(msg) from None
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``a.b.c=value`` -> (``"a.b.c"``, YAML-parsed value)."""
-    if "=" not in text:
-        raise ConfigError(f"override '{text}': expected KEY=VALUE, e.g. trainer.steps=50")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"override '{text}': empty key")
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML: {e}") from None
-    return key, value
-
-
-def merge_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    data = dict(data)
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(data, key, value)
-    return data
+def to_dict(cfg: Section) -> dict[str, Any]:
+    return cfg.model_dump()
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
@@ -657,9 +553,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
         data = loaded
-    data = merge_overrides(data, list(overrides))
-    return from_dict(Config, data)
+    return validate(Config, merge_overrides(data, list(overrides)))
 
 
 def dump_config(cfg: Config, path: str | os.PathLike) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of a config file (``splitrl config --schema``)."""
+    return Config.model_json_schema()

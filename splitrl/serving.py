@@ -36,6 +36,7 @@ from splitrl.auth import (  # noqa: F401  (auth_metadata, resolve_token: re-expo
     server_credentials,
 )
 from splitrl.config import AuthConfig
+from splitrl.retry import SERVICE_CONFIG
 
 log = logging.getLogger(__name__)
 
@@ -396,8 +397,16 @@ def make_channel(
 ) -> grpc.Channel:
     """A channel with matching size limits and the credentials of ``auth``: TLS when
     ``tls_ca`` or ``tls_cert`` is set (presenting this process's certificate when it has one:
-    mutual TLS), and the token on every call when one is configured."""
+    mutual TLS), and the token on every call when one is configured. Idempotent calls that
+    fail with UNAVAILABLE are retried by gRPC (``splitrl.retry.SERVICE_CONFIG``)."""
     options: list[tuple[str, int | str]] = list(grpc_options(max_message_bytes))
+    # Services start concurrently, so a peer is often dialled before it listens; gRPC's default
+    # reconnect back-off (1 s growing to 120 s) would then keep the channel failing long after
+    # the peer is up. Redial within a second on loopback or a cluster network.
+    options += [("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000)]
+    options += [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
     creds = channel_credentials(auth)
     if creds is not None:
         if auth.tls_server_name:

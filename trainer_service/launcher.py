@@ -7,9 +7,18 @@ everything cleanly at the end or on Ctrl-C. The run directory holds the resolved
 log file per process, metrics, plots, checkpoints and the exported model.
 
 Mistakes surface on the console, early: the data (paths, fields, splits, prompts too long for
-the samplers) is checked before any service starts; error lines of every service's log are
+the samplers), a run directory whose checkpoint belongs to another config, and trackers that are
+not installed are found before any service starts; error lines of every service's log are
 shown as they are written; and a service that exits leaves its last error lines on the console,
-not only its exit code.
+not only its exit code. What the run is doing while the bar stands still (services starting,
+programs compiling, the first evaluation) is said in one line per phase.
+
+With ``services.metrics_port`` set, each process serves Prometheus metrics on a port of its own
+(they share a host here), listed in ``<run_dir>/prometheus.json`` in Prometheus' file-based
+service discovery format (``file_sd_configs``).
+
+Ctrl-C (or SIGTERM) stops the run cleanly: the trainer checkpoints the step it is at, and the
+launcher says where it stopped and that the same command continues from there; exit code 0.
 """
 
 from __future__ import annotations
@@ -17,16 +26,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib import resources
 from pathlib import Path
 
 from splitrl.config import Config, MeshConfig, dump_config
+from splitrl.retry import wait_until
 from splitrl.serving import check_health, make_channel
+from trainer_service.orchestration.evaluation import accuracy_line
 from trainer_service.service_logs import LogFollower, error_lines
 
 DEMO_CONFIG = "demo.yaml"
@@ -59,6 +72,7 @@ class Launcher:
         self.sampler_addresses = [
             f"127.0.0.1:{free_port()}" for _ in range(cfg.services.num_samplers)
         ]
+        self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port
 
     def _env(self, devices: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -80,6 +94,7 @@ class Launcher:
         args += [
             f"services.reward_address={self.reward_address}",
             f"services.trainer_address={self.trainer_address}",
+            *self._metrics_override(name),
             *overrides,
         ]
         log = (self.log_dir / f"{name}.log").open("ab")
@@ -89,16 +104,27 @@ class Launcher:
         )
         return self.procs[name]
 
+    def _metrics_override(self, name: str) -> list[str]:
+        """Each process its own Prometheus port (one host: one shared port would collide),
+        written to ``prometheus.json`` for Prometheus' file-based discovery."""
+        if self.cfg.services.metrics_port is None:
+            return []
+        port = self.metrics_ports.setdefault(name, free_port())
+        targets = [{"targets": [f"127.0.0.1:{p}"],
+                    "labels": {"job": "splitrl", "service": n.split("-")[0], "instance_name": n,
+                               "run": self.cfg.run_name}}
+                   for n, p in self.metrics_ports.items()]
+        (self.run_dir / "prometheus.json").write_text(json.dumps(targets, indent=2))
+        return [f"services.metrics_port={port}"]
+
     def wait_healthy(self, name: str, address: str, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
+        def exited() -> None:
+            if self.procs[name].poll() is not None:
                 raise RuntimeError(self.exit_report(name))
-            if check_health(address, timeout_s=1.0, auth=self.cfg.services.auth):
-                return
-            time.sleep(0.3)
-        raise TimeoutError(f"{name} at {address} not healthy after {timeout_s:.0f}s")
+
+        wait_until(lambda: check_health(address, timeout_s=1.0, auth=self.cfg.services.auth),
+                   timeout_s=timeout_s, interval_s=0.3, check=exited,
+                   what=f"{name} at {address} healthy")
 
     def exit_report(self, name: str) -> str:
         """``name`` exited: its exit code and the last error lines of its log."""
@@ -119,13 +145,28 @@ class Launcher:
         return address
 
     def up(self) -> None:
+        """Start every service. The trainer starts as soon as the reward service answers (a
+        broken reward function stops the launch before any trainer exists), not after the
+        samplers: its start-up (imports, model, optimizer state, compiling its train step)
+        then overlaps theirs, and it finds the samplers when they are up (it probes them;
+        they register with it)."""
+        started = time.monotonic()
+        say(f"starting the reward service and {len(self.sampler_addresses)} sampler(s) (each "
+            "loads the model and compiles its programs; logs in "
+            f"{self.log_dir})")
         self.start("reward", "reward", [])
         for i, address in enumerate(self.sampler_addresses):
             self.start_sampler(i, address)
         self.wait_healthy("reward", self.reward_address)
+        say("starting the trainer alongside the samplers (it loads the model and the data and "
+            "compiles its train step while they start, then evaluates and trains)")
+        self.start_trainer()
         for i, address in enumerate(self.sampler_addresses):
             self.wait_healthy(f"sampler-{i}", address)
-        self.start_trainer()
+        say(f"services up after {time.monotonic() - started:.0f}s")
+        if self.metrics_ports:
+            ports = ", ".join(f"{n} {p}" for n, p in self.metrics_ports.items())
+            say(f"Prometheus metrics: {ports} (targets: {self.run_dir / 'prometheus.json'})")
 
     def start_trainer(self):
         """Start (or, after it died, restart) the trainer, pointed at the launched samplers."""
@@ -137,7 +178,7 @@ class Launcher:
             devices_for(self.cfg.trainer.mesh),
         )
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = 60.0) -> None:
         order = ["trainer"] + [n for n in self.procs if n.startswith("sampler")] + ["reward"]
         for name in order:
             proc = self.procs.get(name)
@@ -180,6 +221,7 @@ class Launcher:
                    dynamic_ncols=True, file=sys.stdout)
         follower = LogFollower({n: self.log_dir / f"{n}.log" for n in self.procs})
         reported: set[str] = set()
+        phases = PhaseReporter(bar.write)
 
         def show_errors() -> None:
             for line in follower.new_errors():
@@ -202,6 +244,7 @@ class Launcher:
                     time.sleep(1.0)
                     continue
                 metrics = status.last_metrics
+                phases.observe(status.state, status.step)
                 bar.n = status.step
                 bar.set_postfix(
                     state=status.state,
@@ -211,7 +254,10 @@ class Launcher:
                     samplers=f"{sum(s.healthy for s in status.samplers)}/{alive}",
                     refresh=True,
                 )
-                time.sleep(1.0)
+                try:  # a second between refreshes, but the trainer's exit is seen at once
+                    trainer.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
             show_errors()
         finally:
             bar.close()
@@ -244,48 +290,127 @@ def check_data(cfg: Config) -> str | None:
     return None
 
 
-def main(cfg: Config) -> int:
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+class PhaseReporter:
+    """One console line when the trainer enters a phase, so a bar at 0 is never silent."""
+
+    def __init__(self, write):
+        self.write = write
+        self.state: str | None = None
+        self.trained = False
+
+    def observe(self, state: str, step: int) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        if state == "starting":
+            self.write("trainer: loading the model, restoring a checkpoint if there is one, "
+                       "waiting for the samplers")
+        elif state == "evaluating":
+            self.write(f"trainer: greedy evaluation at step {step}" + (
+                "" if self.trained else " (the samplers compile their programs on first use)"))
+        elif state == "training" and not self.trained:
+            self.trained = True
+            self.write(f"trainer: training from step {step} (the first step compiles the train "
+                       "program)")
+
+
+def preflight(cfg: Config) -> str | None:
+    """What stops the run before any service starts: unusable data, a run directory whose
+    checkpoint belongs to another config, a tracker that is not installed."""
+    from trainer_service.resume import resume_problem
+    from trainer_service.tracking import missing_trackers
+
     problem = check_data(cfg)
     if problem is not None:
-        print(f"splitrl up: the data cannot be used: {problem}", file=sys.stderr, flush=True)
+        return f"the data cannot be used: {problem}"
+    problem = resume_problem(cfg)
+    if problem is not None:
+        return f"will not resume: {problem}"
+    return missing_trackers(cfg.trainer.report_to)
+
+
+def continue_command(launcher: Launcher) -> str:
+    """The command that continues this run: the one that started it, when it was splitrl's."""
+    if Path(sys.argv[0]).name in ("splitrl", "__main__.py"):
+        return shlex.join(["splitrl", *sys.argv[1:]])
+    return f"splitrl up --config {launcher.config_path}"
+
+
+def main(cfg: Config) -> int:
+    problem = preflight(cfg)
+    if problem is not None:
+        print(f"splitrl up: {problem}", file=sys.stderr, flush=True)
         return 2
     launcher = Launcher(cfg)
-    code = 1
-    print(f"run directory: {launcher.run_dir}", flush=True)
+    code, interrupted = 1, False
+    say(f"run directory: {launcher.run_dir}")
 
     def interrupt(signum, _frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    plots = None
     try:
         launcher.up()
-        print("reward functions: " + "; ".join(launcher.reward_functions()), flush=True)
+        say("reward functions: " + "; ".join(launcher.reward_functions()))
         code = launcher.watch()
+        plots = _plot_in_background(launcher.run_dir)  # while the services shut down
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping the run (the trainer checkpoints what it has)", flush=True)
+        interrupted = True
+        say("\ninterrupted: stopping the run (the trainer checkpoints the step it is at)")
     except (RuntimeError, TimeoutError) as e:  # a service did not start
         print(f"splitrl up: {e}", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
         launcher.stop()
+    trainer = launcher.procs.get("trainer")
+    if interrupted:  # a clean stop is a success; a trainer that failed while stopping is not
+        code = 0 if trainer is None or trainer.returncode == -signal.SIGTERM else (
+            trainer.returncode)  # -SIGTERM: stopped while starting, before it had a handler
     summary_path = launcher.run_dir / "summary.json"
-    if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-        before = summary.get("eval_before/accuracy")
-        after = summary.get("eval_after/accuracy")
-        if before is not None and after is not None:
-            print(f"greedy accuracy on the evaluation prompts: {before:.3f} -> {after:.3f}")
-        try:
-            from trainer_service.plots import main as plot
-
-            plot(str(launcher.run_dir))
-        except Exception as e:  # plots are a convenience; never fail the run on them
-            print(f"(plots skipped: {e})")
-    if code != 0 and "trainer" in launcher.procs:
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    line = accuracy_line(summary)
+    if line:
+        say(line)
+    if summary.get("state") == "stopped" or (interrupted and code == 0):
+        step = int(summary.get("step", 0))
+        where = (f"stopped at step {step} of {int(summary.get('total_steps', cfg.trainer.steps))}"
+                 f"; checkpoint in {launcher.run_dir}" if step else
+                 "stopped before the first step")
+        say(f"{where}. To continue from there: {continue_command(launcher)}")
+    if plots is not None:  # started when the trainer finished, while the services stopped
+        plots.join()
+    elif summary:
+        _plot(launcher.run_dir)
+    if code != 0 and trainer is not None:
         print(launcher.exit_report("trainer"), file=sys.stderr)
     if code != 0:
         print(f"the run failed (exit code {code}); logs: {launcher.log_dir}", file=sys.stderr)
     return code
+
+
+def _plot(run_dir: Path) -> None:
+    """`splitrl plot` of the run: a convenience that never fails the run."""
+    try:
+        from trainer_service.plots import main as plot
+
+        plot(str(run_dir))
+    except Exception as e:  # plots are a convenience; never fail the run on them
+        say(f"(plots skipped: {e})")
+
+
+def _plot_in_background(run_dir: Path) -> threading.Thread | None:
+    """`_plot` of a finished run (summary.json written) in a thread, so the plots render while
+    the services shut down."""
+    if not (run_dir / "summary.json").exists():
+        return None
+    thread = threading.Thread(target=_plot, args=(run_dir,), name="plots", daemon=True)
+    thread.start()
+    return thread
 
 
 def demo_config_path() -> Path:

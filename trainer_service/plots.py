@@ -8,7 +8,8 @@ from pathlib import Path
 
 PANELS = [
     ("reward", ["reward/mean"], "mean total reward"),
-    ("accuracy", ["accuracy/mean", "eval_before/accuracy", "eval_after/accuracy"], "accuracy"),
+    ("accuracy", ["accuracy/mean", "eval_before/accuracy", "eval/accuracy",
+                  "eval_after/accuracy"], "accuracy"),
     ("kl", ["kl"], "KL to reference"),
     ("loss", ["loss", "policy_loss"], "loss"),
     ("entropy", ["entropy"], "entropy (nats/token)"),
@@ -49,23 +50,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
     for ax, (name, keys, label) in zip(axes.flat, panels, strict=False):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in records if key in r]
-            xs, ys = zip(*points, strict=True)
-            style = "o" if len(points) <= 2 else "-"
-            ax.plot(xs, ys, style, label=key)
-        ax.set_title(label)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _draw(ax, records, keys, label)
         single, single_ax = plt.subplots(figsize=(6, 3.5))
-        for line in ax.get_lines():
-            single_ax.plot(line.get_xdata(), line.get_ydata(), line.get_linestyle() or "-",
-                           marker=line.get_marker(), label=line.get_label())
-        single_ax.set_title(label)
-        single_ax.set_xlabel("step")
-        single_ax.grid(alpha=0.3)
-        single_ax.legend(fontsize=7)
+        _draw(single_ax, records, keys, label)
         single.tight_layout()
         path = out_dir / f"{name}.png"
         single.savefig(path, dpi=90)
@@ -78,6 +65,23 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     fig.savefig(overview, dpi=90)
     plt.close(fig)
     return [overview, *written]
+
+
+def _draw(ax, records: list[dict], keys: list[str], label: str) -> None:
+    """One panel. Evaluations (a few points: before, every N steps, after) are drawn as
+    markers, so a single before or after point is visible."""
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if key in r]
+        xs, ys = zip(*points, strict=True)
+        if key.startswith("eval") or len(points) <= 2:
+            ax.plot(xs, ys, marker="o", markersize=6, linestyle="--" if len(xs) > 1 else "",
+                    label=key)
+        else:
+            ax.plot(xs, ys, label=key)
+    ax.set_title(label)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def main(run_dir: str) -> int:

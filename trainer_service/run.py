@@ -39,19 +39,25 @@ import numpy as np
 from splitrl.config import Config, dump_config, to_dict
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
-from splitrl.models import from_pretrained
+from splitrl.models import from_pretrained, param_shapes
+from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
-from trainer_service.learning.batching import build_train_batch
+from trainer_service.learning.batching import bucket, build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer
-from trainer_service.learning.export import export_hf
+from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
-from trainer_service.orchestration.evaluation import accuracy_function, eval_items, eval_metrics
+from trainer_service.orchestration.evaluation import (
+    accuracy_function,
+    collect_lane,
+    eval_items,
+    eval_metrics,
+)
 from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.membership import SamplerHandle
 from trainer_service.orchestration.parts import build_leader_parts
-from trainer_service.orchestration.publisher import PushInFlight, PushResult
+from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
 from trainer_service.orchestration.rollouts import (
     EVAL,
@@ -60,6 +66,8 @@ from trainer_service.orchestration.rollouts import (
     WorkItem,
     item_seed,
 )
+from trainer_service.resume import check_resume
+from trainer_service.tracking import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +114,15 @@ class TrainerRun:
         self.mesh = build_mesh(tcfg.mesh)
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
         self.learner = Learner.from_config(model, cfg, self.mesh)
+        log.info("learner state", extra={  # what LoRA saves shows here (bench/lora_memory.py)
+            f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
         self.version = 0  # of the weights; +1 per update
         self.step = 0
         self.drawn = 0  # prompts drawn from the data so far: every work item's seq and uid
         self._params_lock = threading.Lock()
         self._push_in_flight: PushInFlight | None = None
+        self._last_step_end: float | None = None  # monotonic time the previous step ended
         if self.hosts.is_leader:
             self.tokenizer = load_tokenizer(cfg.model.path)
             self.pad_id = self.tokenizer.pad_token_id or 0
@@ -119,20 +130,32 @@ class TrainerRun:
                                             metadata=self.metadata, run_dir=self.run_dir,
                                             sync_new_sampler=self._sync_new_sampler,
                                             identity=ModelIdentity.of(
-                                                model.config.architecture, self.learner.params))
+                                                model.config.architecture,
+                                                param_shapes(model.config),
+                                                self.learner.base_fingerprint),
+                                            lora=self.learner.lora)
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)
             self.reward_checks = RewardChecks.from_config(cfg.reward)
             self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
-        self._restore()
+        self._restore()  # refuses a checkpoint of another config before anything else starts
+        if self.hosts.is_leader:
+            self.trackers = Trackers.from_config(cfg, self.run_dir, self.accuracy_fn)
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # written when it ends
 
     # -- one step -------------------------------------------------------------------------
 
     def train_step(self) -> dict[str, float]:
         t0 = time.monotonic()
+        # Between the previous step's push and now: drawing, the audit record, a checkpoint,
+        # metrics. With max_staleness 0 the samplers generate meanwhile, so a step's rollouts
+        # take wait + other: both belong to the step's cost (bench/step_breakdown.py).
+        between = t0 - self._last_step_end if self._last_step_end is not None else 0.0
         collected = self._collect(self.cfg.trainer.prompts_per_step)
         t_rollouts = time.monotonic()
+        if self.trackers.completions_due(self.step + 1):
+            self.trackers.completions(self.step + 1, collected.groups)
         metrics = self._rollout_metrics(collected)
         try:  # failing reward functions: logged, counted, and past the policy the run stops
             metrics.update(self.reward_checks.observe(collected.groups))
@@ -149,7 +172,7 @@ class TrainerRun:
             metrics["skipped"] = 1.0
         t_train = time.monotonic()
         metrics.update(self._push())
-        t_push = time.monotonic()
+        t_push = self._last_step_end = time.monotonic()
         self._draw_ahead()  # the next step's prompts go out while we record and checkpoint
         self.audit.record(self.step, self.version - (0 if metrics.get("skipped") else 1),
                           collected.groups, filtered=collected.filtered,
@@ -161,6 +184,8 @@ class TrainerRun:
             "time/train_s": t_train - t_rollouts,
             "time/push_s": t_push - t_train,
             "time/step_s": t_push - t0,
+            "time/other_s": between,
+            "time/interval_s": between + t_push - t0,
             "throughput/tokens_per_s": tokens / max(t_push - t0, 1e-9),
             "samplers/ready": float(len(self.pool.ready())),
         })
@@ -179,7 +204,7 @@ class TrainerRun:
         self._draw_ahead()
         while True:
             taken = self.queue.take(TRAIN, n, stop=self.stop_event)
-            events = self.queue.drain_events()
+            events = self.queue.drain_events(TRAIN)
             out.filtered += events.filtered
             out.dropped += events.dropped
             for item, reason in events.dropped:
@@ -226,7 +251,8 @@ class TrainerRun:
         else:
             results = self.publisher.push_all(self._params_for_push(), self.version)
         self._pushed_version = self.version
-        return {"time/push_wait_s": time.monotonic() - waited, **_push_metrics(results)}
+        finished = push_metrics(results) if results is not None else {}  # none finished yet
+        return {"time/push_wait_s": time.monotonic() - waited, **finished}
 
     def _finish_push(self) -> list[PushResult] | None:
         """Wait for the push in the background, if any; its results."""
@@ -290,6 +316,7 @@ class TrainerRun:
     def _write_metrics(self, record: dict) -> None:
         self.metrics_file.write(json.dumps(record) + "\n")
         self.metrics_file.flush()
+        self.trackers.log(record)
 
     # -- evaluation -----------------------------------------------------------------------
 
@@ -298,19 +325,11 @@ class TrainerRun:
         rows = self.data.eval_rows(self.cfg.trainer.data.eval_size)
         if not rows:
             return {}
-        self.status.state = "evaluating"
+        state, self.status.state = self.status.state, "evaluating"
         self._wait_for_samplers()
         items = eval_items(rows)
-        self.queue.add(items)
-        n, groups = len(items), []
-        while n > 0:
-            taken = self.queue.take(EVAL, n, stop=self.stop_event)
-            if taken.groups:
-                groups = taken.groups
-                break
-            n -= taken.shortfall  # refused prompts: evaluate the others
-        for item, reason in self.queue.drain_events().dropped:
-            log.warning("evaluation prompt dropped", extra={"uid": item.uid, "reason": reason})
+        groups = collect_lane(self.queue, items, EVAL, stop=self.stop_event)
+        self.status.state = state
         result = eval_metrics(groups, self.accuracy_fn, len(items))
         result = {f"{tag}/{k.split('/', 1)[1]}": v for k, v in result.items()}
         self._write_metrics({"step": self.step, "version": self.version, **result})
@@ -338,21 +357,26 @@ class TrainerRun:
         log.info("sampler synced", extra={"address": handle.address, "ok": result.ok,
                                           "version": version, "error": result.error})
 
-    def _wait_for_samplers(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not [h for h in self.pool.ready() if h.weight_version >= self.version]:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no sampler became ready within {timeout_s:.0f}s")
-            if self.stop_event.wait(0.2):
-                raise InterruptedError("stopped while waiting for samplers")
+    def _wait_for_samplers(self) -> None:
+        wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
+                   timeout_s=self.cfg.services.sampler_wait_s, stop=self.stop_event,
+                   what="a sampler ready (services.sampler_wait_s)")
 
     # -- checkpoint / resume --------------------------------------------------------------
 
     def _restore(self) -> None:
         self._pushed_version = 0
+        self.resumed_from: int | None = None
         if self.checkpointer.latest_step() is None:
             return
+        meta = self.checkpointer.meta()
+        check_resume(self.cfg, meta, str(self.run_dir))  # same run only
+        # The train state's kind (LoRA or not, rank, targets, base): even trainer.resume=force
+        # cannot load adapters onto other weights.
+        self.learner.check_checkpoint_meta(meta.get("learner"),
+                                           where=f"checkpoint in {self.checkpointer.directory}")
         ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
+        self.resumed_from = ckpt.step
         self.learner.load_train_state(ckpt.state, ckpt.step)
         self.step, self.version = ckpt.step, ckpt.weight_version
         if not self.hosts.is_leader:
@@ -389,7 +413,8 @@ class TrainerRun:
         self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
         self.checkpointer.save(self.step, self.learner.train_state(),
                                weight_version=self.version, data_cursor=cursor,
-                               config=to_dict(self.cfg), force=True)
+                               config=to_dict(self.cfg),
+                               learner_meta=self.learner.checkpoint_meta(), force=True)
 
     # -- the run --------------------------------------------------------------------------
 
@@ -401,11 +426,16 @@ class TrainerRun:
         try:
             if self.hosts.multi:
                 self._params_for_push()  # the copy that joining samplers are synced from
+            warm_up = self._start_warm_up()
             self.parts.start()
             self._wait_for_samplers()
-            if tcfg.eval_before and self.step == 0:
+            if tcfg.eval_before and self.step < tcfg.steps:  # a resumed run: where it starts
                 summary.update(self._evaluate("eval_before"))
+                summary["eval_before/step"] = float(self.step)
             self.status.state = "training"
+            if warm_up is not None:
+                self._draw_ahead()  # the samplers generate the first batch meanwhile
+                warm_up.join()
             started, start_step = time.monotonic(), self.step
             while self.step < tcfg.steps and not self.stop_event.is_set():
                 try:
@@ -415,18 +445,17 @@ class TrainerRun:
                         break
                     raise
                 self._report(metrics, progress, started, start_step)
+                if self._eval_due():
+                    self._evaluate("eval")
             if self.stop_event.is_set():
                 return self._stopped(summary)
             if self.checkpointer.latest_step() != self.step:
                 self._checkpoint(force=True)
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
-            export_hf(self._policy_model(), self.run_dir / "export",
-                      source_dir=self.cfg.model.path)
-            summary["step"] = float(self.step)
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            self._export()
             self.status.state = "done"
-            return summary
+            return self._summary(summary)
         except InterruptedError:
             if not self.stop_event.is_set():
                 self.status.state = "failed"
@@ -437,6 +466,27 @@ class TrainerRun:
             raise
         finally:
             self.close()
+
+    def _start_warm_up(self) -> threading.Thread | None:
+        """Compile the train step for the batch shape the first step will most likely have
+        (every prompt's group, the longest prompt plus the full generation budget), in the
+        background while the samplers start and generate, so the first step does not wait
+        for the compiler. Single-process only (followers must make the same calls)."""
+        report = self.data.length_reports.get("train")
+        if self.hosts.multi or report is None or report.longest == 0:
+            return None
+        rows = self.cfg.trainer.prompts_per_step * self.cfg.algorithm.group_size
+        length = bucket(report.longest + self.cfg.sampling.max_new_tokens)
+
+        def run():
+            try:
+                self.learner.warm_up(rows, length)
+            except Exception:  # only a head start: the first step compiles what is missing
+                log.exception("train step warm-up failed")
+
+        thread = threading.Thread(target=run, name="warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def _report(self, metrics, progress, started: float, start_step: int) -> None:
         set_context(step=self.step, weight_version=self.version)
@@ -459,16 +509,51 @@ class TrainerRun:
         self.status.state = "stopped"
         log.info("stopped; resume continues from this step",
                  extra={"step": self.step, "version": self.version})
+        return self._summary(summary)
+
+    def _summary(self, summary: dict) -> dict:
+        """``summary.json``: how the run ended (done or stopped), at which step, from which
+        step it resumed, and its evaluations."""
+        summary.update(state=self.status.state, step=float(self.step),
+                       total_steps=float(self.cfg.trainer.steps))
+        if self.resumed_from is not None:
+            summary["resumed_from"] = float(self.resumed_from)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
-    def _policy_model(self):
+    def _export(self) -> None:
+        """The policy as a Hugging Face model in ``export/``; with LoRA also the adapters as a
+        PEFT directory ``export/adapter/`` (for the base checkpoint ``model.path``)."""
+        out = self.run_dir / "export"
+        params = self._host_trained_params()
+        export_hf(self._policy_model(params), out, source_dir=self.cfg.model.path)
+        if self.learner.lora is not None:
+            export_adapter(self.learner.lora, params, out / "adapter",
+                           config=self.learner.config, base_model=self.cfg.model.path)
+
+    def _eval_due(self) -> bool:
+        """``trainer.eval_every``: a periodic evaluation after this step (the last step's is
+        eval_after's when that is on)."""
+        every, tcfg = self.cfg.trainer.eval_every, self.cfg.trainer
+        if not every or self.step % every or self.stop_event.is_set():
+            return False
+        return self.step < tcfg.steps or not tcfg.eval_after
+
+    def _host_trained_params(self):
+        """The trained params now (the adapters with LoRA): the learner's own (one process), or
+        the leader's gathered copy (multi-host; the final step's push gathered them)."""
+        if not self.hosts.multi:
+            return self.learner.params
+        params, version = self.hosts.gathered
+        if version != self.version:
+            params = self._params_for_push()
+        return params
+
+    def _policy_model(self, params):
         """The current policy as an nnx model on this host (for the export)."""
         if not self.hosts.multi:
             return self.learner.model()
-        params, version = self.hosts.gathered  # the final step's push gathered them
-        if version != self.version:
-            params = self._params_for_push()
-        return host_model(self.learner, params)
+        return host_model(self.learner, params, base_path=self.cfg.model.path)
 
     def _follow(self) -> dict[str, float]:
         """A follower's run: the leader's train steps, gathers and checkpoints, on its word."""
@@ -494,25 +579,8 @@ class TrainerRun:
             self.hosts.stop(failed=self.status.state == "failed")  # release the followers
             self.parts.close()
             self.metrics_file.close()
+            self.trackers.close()
         self.checkpointer.close()
-
-
-def _push_metrics(results: list[PushResult] | None) -> dict[str, float]:
-    """A finished push in numbers (nothing when none finished): its own time, the bytes the
-    samplers received, what full pushes would have carried, what the trainer sent."""
-    if results is None:
-        return {}
-    pushed = [r for r in results if r.ok]
-    background = [r for r in results if r.background]
-    return {
-        "push/seconds": max((r.seconds for r in pushed), default=0.0),
-        "push/mb": sum(r.bytes for r in pushed) / 2**20,
-        "push/full_mb": sum(r.full_bytes for r in pushed) / 2**20,
-        "push/egress_mb": sum(r.egress_bytes for r in results) / 2**20,
-        "push/delta": float(sum(r.delta for r in pushed)),
-        "push/failed": float(len(results) - len(pushed) - len(background)),
-        "push/background": float(len(background)),
-    }
 
 
 _LOGGED = {

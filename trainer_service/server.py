@@ -151,6 +151,7 @@ def main(cfg: Config) -> int:
         maybe_initialize = None
     if maybe_initialize is not None:
         maybe_initialize(cfg)
+    from trainer_service.orchestration.evaluation import accuracy_line
     from trainer_service.orchestration.reward_checks import RewardFunctionFailed
     from trainer_service.run import TrainerRun
 
@@ -197,9 +198,8 @@ def main(cfg: Config) -> int:
         if bar is not None:
             bar.close()
         threading.Thread(target=server.stop, args=(5.0,), daemon=True).start()
-    log.info("run finished", extra={"state": run.status.state, **summary})
-    if "eval_before/accuracy" in summary or "eval_after/accuracy" in summary:
-        before = summary.get("eval_before/accuracy", float("nan"))
-        after = summary.get("eval_after/accuracy", float("nan"))
-        print(f"greedy accuracy: {before:.3f} -> {after:.3f}", flush=True)
+    log.info("run finished", extra={**summary, "state": run.status.state})
+    line = accuracy_line(summary)
+    if line:
+        print(line, flush=True)
     return 0 if run.status.state in ("done", "stopped") else 1

@@ -187,8 +187,9 @@ class PushLink:
         frame was sent (False: the receiver refused or failed first, or the deadline passed)."""
         sent_all = True
         for chunk, payload in frames:
-            if self.stream is not None:  # a send blocked past the deadline fails at it
-                self.stream.set_timeout(min(self.idle_timeout_s, deadline - time.monotonic()))
+            left = deadline - time.monotonic()
+            if self.stream is not None and left < self.idle_timeout_s:
+                self.stream.set_timeout(left)  # a send blocked past the deadline fails at it
             self.send_chunk(chunk, payload)
             if not self.open or time.monotonic() > deadline:
                 sent_all = False

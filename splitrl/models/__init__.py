@@ -10,7 +10,10 @@ embedding [V, D]; only checkpoint files (`save_pretrained`, `hf_state_dict`) use
     lp, ent = token_logprobs(model, tokens, targets, temperature=0.7)
     save_pretrained(model, "/path/out")
 
-Sampler hot loop (see `apply`, `init_cache`, `left_pad_positions`):
+A generation engine with its own cache layout implements an attention backend (one method,
+`attend(layer, q, k, v) -> (out, backend)`, see `attention.py`) and calls
+`model.forward_with(tokens, positions, backend)`; the simple static cache below is one such
+backend:
 
     graphdef, state = nnx.split(model)
     step = jax.jit(apply, static_argnums=0, donate_argnames="cache")
@@ -19,6 +22,13 @@ Sampler hot loop (see `apply`, `init_cache`, `left_pad_positions`):
                          cache_index=0)
 """
 
+from splitrl.models.attention import (
+    AttentionBackend,
+    DenseAttention,
+    KVCacheAttention,
+    causal_mask,
+    dense_attend,
+)
 from splitrl.models.cache import KVCache, init_cache, left_pad_positions
 from splitrl.models.config import RopeScaling, TransformerConfig
 from splitrl.models.hf_io import from_pretrained, load_config, save_pretrained
@@ -36,12 +46,17 @@ from splitrl.models.params import (
 from splitrl.models.transformer import CausalLM, abstract_model, apply, init_random
 
 __all__ = [
+    "AttentionBackend",
     "CausalLM",
+    "DenseAttention",
     "KVCache",
+    "KVCacheAttention",
     "RopeScaling",
     "TransformerConfig",
     "abstract_model",
     "apply",
+    "causal_mask",
+    "dense_attend",
     "from_hf_state_dict",
     "from_pretrained",
     "hf_from_state",

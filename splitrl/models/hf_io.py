@@ -8,11 +8,15 @@ we save and we load what it saves.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
 import os
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 
+import crc32c
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -119,6 +123,37 @@ def _write_weights(out: Path, tensors: dict, max_shard_bytes: int) -> None:
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
              "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def checkpoint_fingerprint(path: str | os.PathLike) -> str:
+    """A fingerprint of a checkpoint directory's weights: SHA-256 over every tensor's name,
+    stored dtype, shape and CRC-32C of its bytes, in name order.
+
+    Equal fingerprints mean the same tensors whatever the file layout (one file or shards,
+    tensor order, metadata); tensors `from_pretrained` ignores are left out. Reads the files
+    once through mmap (CRC-32C runs at memory speed), so a sampler and a trainer can check
+    cheaply that they start from the same base weights (LoRA adapter pushes need it).
+    """
+    config = load_config(path)
+    entries = []
+    for file, names in _weight_files(Path(path)).items():
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            (header_len,) = struct.unpack("<Q", mm[:8])
+            header = json.loads(mm[8 : 8 + header_len])
+            data = memoryview(mm)[8 + header_len :]
+            try:
+                for name, meta in header.items():
+                    if name == "__metadata__" or _ignored(config, name):
+                        continue
+                    if names is not None and name not in names:
+                        continue
+                    start, end = meta["data_offsets"]
+                    entries.append([name, meta["dtype"], list(meta["shape"]),
+                                    crc32c.crc32c(data[start:end])])
+            finally:
+                data.release()
+    entries.sort()
+    return "sha256:" + hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
 def _weight_files(path: Path) -> dict[Path, list[str] | None]:

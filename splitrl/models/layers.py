@@ -1,4 +1,4 @@
-"""Building blocks: RMSNorm, Linear, grouped-query attention with KV cache, SwiGLU MLP.
+"""Building blocks: RMSNorm, Linear, grouped-query attention (pluggable backend), SwiGLU MLP.
 
 Parameter layout convention: every parameter lives under the attribute names HF uses, so
 the nnx path of a parameter *is* its HF name (`model.layers.3.self_attn.q_proj.weight`), which
@@ -19,10 +19,6 @@ from flax import nnx
 from splitrl.models.config import TransformerConfig
 from splitrl.models.rope import apply_rope
 
-# Large finite negative instead of -inf: a query with no visible key (a left-padding row)
-# then gets a uniform distribution rather than NaNs that would poison gradients.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
 
 class RMSNorm(nnx.Module):
     """y = weight * x / rms(x), normalised in float32 like HF (weight initialised to ones)."""
@@ -39,8 +35,33 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(self.dtype) * y
 
 
+class LoraFactor(nnx.Module):
+    """One factor of a LoRA adapter (``lora_A`` [in, r] or ``lora_B`` [r, out]): x @ weight."""
+
+    def __init__(self, weight: jax.Array):
+        self.weight = nnx.Param(weight)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,io->...o", x, self.weight[...].astype(x.dtype))
+
+
+class LoraKey(nnx.Variable):
+    """The PRNG key of one adapter's input dropout (set only for training forwards)."""
+
+
 class Linear(nnx.Module):
-    """Dense layer y = x @ weight (+ bias), weight [in, out] (see module docstring)."""
+    """Dense layer y = x @ weight (+ bias), weight [in, out] (see module docstring).
+
+    With a LoRA adapter attached (``splitrl.models.lora.attach`` sets ``lora_A``, ``lora_B``,
+    ``lora_scale`` and, for training with dropout, ``lora_dropout`` / ``lora_key``):
+    y = x @ weight + lora_scale * dropout(x) @ lora_A @ lora_B, as PEFT computes it.
+    """
+
+    lora_A: LoraFactor | None = None
+    lora_B: LoraFactor | None = None
+    lora_scale: float = 0.0
+    lora_dropout: float = 0.0
+    lora_key: LoraKey | None = None
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, param_dtype,
                  rngs: nnx.Rngs, std: float):
@@ -50,10 +71,26 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        x = x.astype(self.dtype)
+        y = jnp.einsum("...i,io->...o", x, self.weight[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora_A is not None:
+            h = x
+            if self.lora_key is not None:
+                keep = jax.random.bernoulli(self.lora_key[...], 1.0 - self.lora_dropout, x.shape)
+                h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+            y = y + self.lora_scale * self.lora_B(self.lora_A(h))
         return y
+
+    def effective_weight(self) -> jax.Array:
+        """weight (+ lora_scale * lora_A @ lora_B with an adapter), for callers that read the
+        weight instead of calling the layer (the chunked log-prob path reads the LM head)."""
+        if self.lora_A is None:
+            return self.weight[...]
+        w = self.weight[...]
+        delta = self.lora_A.weight[...].astype(w.dtype) @ self.lora_B.weight[...].astype(w.dtype)
+        return w + self.lora_scale * delta
 
 
 class Embedding(nnx.Module):
@@ -69,10 +106,10 @@ class Embedding(nnx.Module):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention with optional per-head q/k RMSNorm (Qwen3) and KV cache.
+    """Grouped-query self-attention projections with optional per-head q/k RMSNorm (Qwen3).
 
-    Query heads are grouped as [kv_heads, heads_per_kv] (HF's repeat_kv order: query head h
-    uses kv head h // heads_per_kv), so no k/v repetition is materialised.
+    The attention itself (which keys each query sees, where keys/values are cached) is the
+    backend passed in (`attention.py`): one projection/RoPE code path for every cache layout.
     """
 
     def __init__(self, config: TransformerConfig, *, dtype, param_dtype, rngs: nnx.Rngs,
@@ -94,13 +131,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.dtype = dtype
 
-    def __call__(self, x, cos, sin, mask, cache=None):
-        """x [B,T,D]; cos/sin [B,T,Dh/2]; mask [B,T,S] bool (True = may attend).
-
-        cache: None, or (k_all, v_all, layer, slot) with k_all/v_all [L,B,S,K,Dh]: this layer's
-        new keys/values are written at [layer, :, slot:slot+T] and attention reads the whole
-        layer row. Returns (out [B,T,D], (k_all, v_all) or None).
-        """
+    def __call__(self, x, cos, sin, attention, layer: int):
+        """x [B,T,D]; cos/sin [B,T,Dh/2]; ``attention`` an `AttentionBackend` (see
+        `attention.py`) that turns this layer's post-RoPE q/k/v into its output and keeps
+        keys/values where its cache layout wants them. Returns (out [B,T,D], backend)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -108,28 +142,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_cache = None
-        if cache is not None:
-            k_all, v_all, layer, slot = cache
-            start = (layer, 0, slot, 0, 0)
-            k_all = jax.lax.dynamic_update_slice(k_all, k[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v[None].astype(v_all.dtype), start)
-            k, v = k_all[layer].astype(self.dtype), v_all[layer].astype(self.dtype)
-            new_cache = (k_all, v_all)
-        out = _attend(q, k, v, mask, self.num_kv_heads)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), new_cache
-
-
-def _attend(q, k, v, mask, num_kv_heads):
-    """Softmax attention, q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S]; softmax in float32."""
-    b, t, h, dh = q.shape
-    q = q.reshape(b, t, num_kv_heads, h // num_kv_heads, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, dh)
+        out, attention = attention.attend(layer, q, k, v)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim)), attention
 
 
 class MLP(nnx.Module):
@@ -159,8 +173,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, **kw)
         self.mlp = MLP(config, **kw, rngs=rngs, std=std)
 
-    def __call__(self, x, cos, sin, mask, cache=None):
-        attn, new_cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+    def __call__(self, x, cos, sin, attention, layer: int):
+        attn, attention = self.self_attn(self.input_layernorm(x), cos, sin, attention, layer)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_cache
+        return x, attention

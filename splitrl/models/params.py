@@ -27,8 +27,10 @@ from splitrl.models.transformer import CausalLM, abstract_model
 
 
 def is_linear_weight(name: str) -> bool:
-    """Whether `name` is a Linear weight, stored transposed relative to torch."""
-    return name.endswith("_proj.weight") or name == "lm_head.weight"
+    """Whether `name` is a Linear weight (LoRA factors included: `...q_proj.lora_A.weight`),
+    stored transposed relative to torch."""
+    return (name.endswith(("_proj.weight", ".lora_A.weight", ".lora_B.weight"))
+            or name == "lm_head.weight")
 
 
 def to_torch_layout(name: str, x):

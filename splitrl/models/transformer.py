@@ -9,7 +9,8 @@ Calling convention (shared by trainer and sampler):
 
 Without a cache, attention is causal over the T given tokens plus a key-padding mask. With a
 cache (see `cache.py`) the tokens are written at slots [cache_index, cache_index + T) and each
-query attends to the valid cache slots at or before its own slot.
+query attends to the valid cache slots at or before its own slot. Both are attention backends
+(`attention.py`); `forward_with` takes any other, e.g. a generation engine's own cache layout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from splitrl.models.cache import KVCache
+from splitrl.models.attention import (
+    AttentionBackend,
+    DenseAttention,
+    KVCacheAttention,
+    causal_mask,
+)
 from splitrl.models.config import TransformerConfig
 from splitrl.models.layers import DecoderLayer, Embedding, Linear, RMSNorm
 from splitrl.models.rope import inv_frequencies, rope_tables
@@ -77,7 +83,7 @@ class CausalLM(nnx.Module):
         """(w, vocab_axis): the embedding [V, D] (axis 0) when tied, else lm_head [D, V] (1)."""
         if self.lm_head is None:
             return self.model.embed_tokens.weight[...], 0
-        return self.lm_head.weight[...], 1
+        return self.lm_head.effective_weight(), 1
 
     def logits(self, h: jax.Array) -> jax.Array:
         """Logits [..., V] in float32 from hidden states [..., D]."""
@@ -99,41 +105,43 @@ class CausalLM(nnx.Module):
             positions = jnp.broadcast_to(offset + jnp.arange(t, dtype=jnp.int32), (b, t))
         valid = (jnp.ones((b, t), bool) if attention_mask is None
                  else attention_mask.astype(bool))
+        query_slot = offset + jnp.arange(t)
         if cache is None:
-            key_valid, key_slot = valid, jnp.arange(t)
+            backend = DenseAttention(causal_mask(query_slot, jnp.arange(t), valid))
         else:
             key_valid = jax.lax.dynamic_update_slice(cache.mask, valid, (0, offset))
-            key_slot = jnp.arange(cache.mask.shape[1])
-        query_slot = offset + jnp.arange(t)
-        mask = (key_slot[None, :] <= query_slot[:, None])[None] & key_valid[:, None, :]
+            mask = causal_mask(query_slot, jnp.arange(cache.mask.shape[1]), key_valid)
+            backend = KVCacheAttention(cache._replace(mask=key_valid), offset, mask)
+        h, backend = self.forward_with(tokens, positions, backend)
+        return h, (None if cache is None else backend.cache)
 
+    def forward_with(self, tokens, positions, attention: AttentionBackend):
+        """The forward with a caller's attention backend (see `attention.py`): embeddings, every
+        decoder layer (attending through ``attention``) and the final norm.
+
+        tokens/positions [B,T] int32 (RoPE positions). Returns (hidden [B,T,D], the backend
+        after the last layer). A generation engine passes its own cache layout here, so the
+        model's forward exists once for training, prefill and decode.
+        """
         cos, sin = rope_tables(inv_frequencies(self.config), positions)
         x = self.model.embed_tokens(tokens)
-        k_all = v_all = None
-        if cache is not None:
-            k_all, v_all = cache.k, cache.v
         for i, layer in enumerate(self.model.layers):
-            if cache is None and self.remat:
-                x = _remat_layer(layer, x, cos, sin, mask)
+            if self.remat and isinstance(attention, DenseAttention) and not attention.keep_kv:
+                x = _remat_layer(layer, x, cos, sin, attention, i)
                 continue
-            layer_cache = None if cache is None else (k_all, v_all, i, offset)
-            x, kv = layer(x, cos, sin, mask, layer_cache)
-            if kv is not None:
-                k_all, v_all = kv
-        h = self.model.norm(x)
-        new_cache = None if cache is None else KVCache(k=k_all, v=v_all, mask=key_valid)
-        return h, new_cache
+            x, attention = layer(x, cos, sin, attention, i)
+        return self.model.norm(x), attention
 
 
-def _remat_layer(layer, x, cos, sin, mask):
+def _remat_layer(layer, x, cos, sin, attention, index):
     """layer(x) under `jax.checkpoint`, as a pure function of the layer's state."""
     graphdef, state = nnx.split(layer)
 
     @jax.checkpoint
-    def run(state, x, cos, sin, mask):
-        return nnx.merge(graphdef, state)(x, cos, sin, mask)[0]
+    def run(state, x, cos, sin, attention):
+        return nnx.merge(graphdef, state)(x, cos, sin, attention, index)[0]
 
-    return run(state, x, cos, sin, mask)
+    return run(state, x, cos, sin, attention)
 
 
 def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,

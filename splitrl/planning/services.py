@@ -91,78 +91,86 @@ class TrainerPlanner:
 
 
 class SamplerPlanner:
-    """The sampler's generation program (prefill, then the KV-cache decode loop)."""
+    """The sampler engine's programs (`sampler_service.scheduler.Scheduler.lower`): a packed
+    prefill of a full batch of prompts, their admission into the KV cache, a decode segment
+    over the cache at its widest."""
 
     service = "sampler"
-    unit = "prompts per batch"
+    unit = "sequences in flight"
 
     def __init__(self, cfg: Config, model_config: TransformerConfig, target: Target):
         from flax import nnx
 
-        from sampler_service.engine import GenerationEngine, bucket
         from sampler_service.sampling import SamplingOptions
 
         sampler, sampling = cfg.sampler, cfg.sampling
+        self.cfg = cfg
         self.target = target
         self.config = model_config
         self.dtype = jnp.dtype(sampler.dtype or cfg.model.dtype)
         self.mesh = build_mesh(sampler.mesh, target.devices)
-        graphdef = nnx.split(abstract_model(model_config, self.dtype))[0]
+        self.graphdef = nnx.split(abstract_model(model_config, self.dtype))[0]
         eos = model_config.eos_token_id
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        self.engine = GenerationEngine(model_config, graphdef, mesh=self.mesh,
-                                       max_batch_size=sampler.max_batch_size,
-                                       max_sequence_length=sampler.max_sequence_length,
-                                       eos_token_ids=eos, pad_token_id=0)
-        shardings = self.engine.state_shardings(sampler.mesh.strategy)
-        self.state = state_from_hf(model_config, {
-            name: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=shardings[name])
-            for name, s in param_shapes(model_config).items()})
+        self.eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         self.group = min(cfg.algorithm.group_size, sampler.max_batch_size)
-        self.rows = sampler.max_batch_size // self.group
         self.prompt_length = max(1, sampler.max_sequence_length - sampling.max_new_tokens)
         self.new_tokens = sampling.max_new_tokens
-        self.prompt_slots = bucket(self.prompt_length, cap=sampler.max_sequence_length)
-        self.gen_slots = max(bucket(self.new_tokens, cap=sampler.max_sequence_length) - 1, 1)
         self.options = SamplingOptions(
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens,
             stop_token_ids=tuple(sampling.stop_token_ids))
-        self.step = 1
-        self.limit = 16 * self.rows
+        self.engine = self._engine(sampler.max_batch_size, sampler.kv_cache_bytes)
+        shardings = self.engine.state_shardings(sampler.mesh.strategy)
+        self.state = state_from_hf(model_config, {
+            name: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=shardings[name])
+            for name, s in param_shapes(model_config).items()})
+        # The configured engine's rows: max_batch_size, or fewer when kv_cache_bytes is set.
+        self.rows = self.engine.max_batch_size
+        self.step = self.group
+        self.limit = 16 * max(self.rows, self.group)
         self.strategy = sampler.mesh.strategy
+        self.budget = sampler.kv_cache_bytes
 
-    def describe(self, prompts: int) -> str:
-        return (f"batch {prompts} prompts x {self.group} completions = {prompts * self.group} "
-                f"rows, prompt {self.prompt_length} + {self.new_tokens} new tokens, "
+    def _engine(self, rows: int, kv_cache_bytes: int):
+        from sampler_service.engine import GenerationEngine
+
+        s = self.cfg.sampler
+        return GenerationEngine(self.config, self.graphdef, mesh=self.mesh, max_batch_size=rows,
+                                max_sequence_length=s.max_sequence_length,
+                                eos_token_ids=self.eos, pad_token_id=0,
+                                kv_cache_bytes=kv_cache_bytes, batching=s.batching,
+                                segment_steps=s.segment_steps, dtype=self.dtype)
+
+    def describe(self, rows: int) -> str:
+        budget = (f"kv_cache_bytes {self.budget}" if rows == self.rows and self.budget
+                  else "KV cache sized for them")
+        return (f"{rows} sequences in flight ({rows // self.group} prompts x {self.group}), "
+                f"prompt {self.prompt_length} + {self.new_tokens} new tokens, {budget}, "
                 f"{self.dtype.name}, strategy {self.strategy}")
 
-    def kv_cache_bytes(self, prompts: int) -> int:
-        """The prompt cache [P, K, T, Dh] and the generation cache [P*n, K, S, Dh], keys and
-        values of every layer, on one device (the engine's cache shardings)."""
-        c = self.config
-        prompt_sh, gen_sh = self.engine._cache_shardings(prompts, self.group)
-        prompt = math.prod(prompt_sh.shard_shape(
-            (prompts, c.num_kv_heads, self.prompt_slots, c.head_dim)))
-        gen = math.prod(gen_sh.shard_shape(
-            (prompts * self.group, c.num_kv_heads, self.gen_slots, c.head_dim)))
-        return 2 * c.num_layers * (prompt + gen) * self.dtype.itemsize
+    def measure(self, rows: int) -> Measurement:
+        from sampler_service.requests import PinnedWeights
 
-    def measure(self, prompts: int) -> Measurement:
         params = shard_bytes(self.state)
+        # The configured engine at its own rows; a searched size gets a cache sized for it.
+        engine = self.engine if rows == self.rows else self._engine(rows, 0)
+        prompts = [[0] * self.prompt_length] * max(1, rows // self.group)
+        request = engine.new_request(prompts, self.options, min(self.group, rows),
+                                     weights=PinnedWeights(0, self.state))
+        lowered, cache = engine.scheduler.lower(request)
+        kv = shard_bytes(cache)
 
         def categories(programs):
-            program = programs["generate"]
-            kv = self.kv_cache_bytes(prompts)
+            prefill, admit, decode = (programs[k] for k in ("prefill", "admit", "decode"))
             return {
                 "parameters": params,
                 "push staging": params,  # a push is staged beside the served weights
                 "kv cache": kv,
-                "temporaries": max(0, program.transient - kv),
-                "batch": max(0, program.arguments - params),
+                # a resize copies one array at a time: one layer's keys or values held twice
+                "kv cache resize": kv // engine.cache.num_arrays,
+                # prefill's keys/values and hidden states live on into the admit program
+                "temporaries": max(prefill.transient, prefill.new_outputs + admit.transient,
+                                   decode.transient),
             }
 
-        lowered = self.engine.lower_generate(self.state, prompts=prompts, group=self.group,
-                                             prompt_length=self.prompt_length,
-                                             options=self.options)
-        return _measure(prompts, self.target.hbm_bytes, {"generate": lowered}, categories)
+        return _measure(rows, self.target.hbm_bytes, lowered, categories)

@@ -41,7 +41,7 @@ class MeshInfo(_message.Message):
     def __init__(self, axis_names: _Optional[_Iterable[str]] = ..., axis_sizes: _Optional[_Iterable[int]] = ..., device_count: _Optional[int] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class SamplerInfo(_message.Message):
-    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address", "instance_id", "data_address", "weights_id")
+    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address", "instance_id", "data_address", "weights_id", "base_fingerprint")
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class SamplerInfo(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     model_fingerprint: str
     architecture: str
@@ -70,10 +71,23 @@ class SamplerInfo(_message.Message):
     instance_id: str
     data_address: str
     weights_id: str
-    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., data_address: _Optional[str] = ..., weights_id: _Optional[str] = ...) -> None: ...
+    base_fingerprint: str
+    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., data_address: _Optional[str] = ..., weights_id: _Optional[str] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
+
+class LoraAdapters(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules", "base_fingerprint")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    base_fingerprint: str
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("version", "tensor_count", "total_bytes", "sender", "reset", "push_id", "base_id")
+    __slots__ = ("version", "tensor_count", "total_bytes", "sender", "reset", "push_id", "base_id", "lora")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +95,7 @@ class PushHeader(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensor_count: int
     total_bytes: int
@@ -88,7 +103,8 @@ class PushHeader(_message.Message):
     reset: bool
     push_id: str
     base_id: str
-    def __init__(self, version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sender: _Optional[str] = ..., reset: _Optional[bool] = ..., push_id: _Optional[str] = ..., base_id: _Optional[str] = ...) -> None: ...
+    lora: LoraAdapters
+    def __init__(self, version: _Optional[int] = ..., tensor_count: _Optional[int] = ..., total_bytes: _Optional[int] = ..., sender: _Optional[str] = ..., reset: _Optional[bool] = ..., push_id: _Optional[str] = ..., base_id: _Optional[str] = ..., lora: _Optional[_Union[LoraAdapters, _Mapping]] = ...) -> None: ...
 
 class WeightPushMessage(_message.Message):
     __slots__ = ("header", "chunk")

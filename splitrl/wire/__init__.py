@@ -27,14 +27,26 @@ Receiver (:class:`ChunkAssembler`)
     overlaps and duplicates (between regions and between chunks of a region), and at
     :meth:`ChunkAssembler.finish` that every tensor arrived completely and the byte count matches
     the header. RAW bytes can be received straight into their place (:meth:`~ChunkAssembler.
-    reserve` / :meth:`~ChunkAssembler.commit`). A tensor is returned as a numpy array the moment
+    reserve` / :meth:`~ChunkAssembler.commit`), into buffers a :class:`StagingPool` reuses
+    from push to push, and every float chunk is checked for NaN/Inf while it is in the cache
+    (:func:`has_nonfinite`). A tensor is returned as a numpy array the moment
     its last byte arrives, so the caller can place it on devices while later tensors are still in
     flight.
+
+Adapter pushes (``_adapters.py``): with LoRA the push carries the adapters' factors, whole and
+float32, and ``PushHeader.lora`` says which base checkpoint they belong to; the receiver merges
+them into its own copy of that base.
 
 Every violation raises :class:`WireError`, carrying the gRPC status code to return and a
 message naming the parameter, the field, the value received and the expectation.
 """
 
+from splitrl.wire._adapters import (
+    ADAPTER_DTYPE,
+    adapter_header,
+    adapter_layouts,
+    spec_from_header,
+)
 from splitrl.wire._assembler import ChunkAssembler, assemble
 from splitrl.wire._core import (
     FLOAT_DTYPES,
@@ -43,6 +55,7 @@ from splitrl.wire._core import (
     byte_view,
     checksum,
     dtype_name,
+    has_nonfinite,
     model_fingerprint,
     numpy_dtype,
 )
@@ -77,13 +90,15 @@ from splitrl.wire._sender import (
     iter_tensor_frames,
     push_header,
 )
+from splitrl.wire._staging import StagingPool
 
 __all__ = [
+    "ADAPTER_DTYPE", "adapter_header", "adapter_layouts", "spec_from_header",
     "BITMAP", "FLOAT_DTYPES", "RAW", "SPARSE", "BaseBlocks", "BlockSink", "Bounds",
-    "ChunkAssembler", "Frame",
-    "SenderBlock", "TargetLayout", "WireError", "array_digest", "assemble", "byte_view",
+    "ChunkAssembler", "Frame", "SenderBlock", "StagingPool", "TargetLayout", "WireError",
+    "array_digest", "assemble", "byte_view",
     "check_targets", "checksum", "delta_apply", "delta_encode", "dtype_name",
-    "iter_push_frames", "iter_push_messages",
+    "has_nonfinite", "iter_push_frames", "iter_push_messages",
     "iter_region_chunks", "iter_region_frames", "iter_tensor_chunks", "iter_tensor_frames",
     "layout_from_sharding", "layouts_from_info", "model_fingerprint", "numpy_dtype",
     "plan_regions", "push_header", "sender_blocks", "sparse_apply", "sparse_encode",

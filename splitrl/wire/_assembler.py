@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,14 @@ import grpc
 import numpy as np
 
 from splitrl.v1 import tensor_pb2
-from splitrl.wire._core import WireError, aligned_empty, byte_view, checksum, numpy_dtype
+from splitrl.wire._core import (
+    WireError,
+    aligned_empty,
+    byte_view,
+    checksum,
+    has_nonfinite,
+    numpy_dtype,
+)
 from splitrl.wire._delta import BITMAP, delta_apply
 from splitrl.wire._layout import Bounds
 
@@ -99,6 +107,7 @@ class _Tensor:
     complete: bool = False
     taken: bool = False
     modified: bool = False  # any byte differs from the base (always, for a full push)
+    nonfinite: bool = False  # a chunk held a NaN or an Inf
     base: np.ndarray | None = None  # the served tensor on the host (delta pushes)
 
     @property
@@ -119,10 +128,12 @@ def _local(inner: Bounds, outer: Bounds) -> tuple[slice, ...]:
     return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
 
+@functools.lru_cache(maxsize=4096)
 def _runs(inner: Bounds, outer: Bounds, itemsize: int) -> tuple[np.ndarray, int]:
     """Where sub-box ``inner`` of C-order box ``outer`` lies: the byte offsets of its
     contiguous runs (in ``inner``'s C order) and the bytes per run. A region of whole rows is
-    one run; fsdp columns inside a tensor-parallel column block are one run per row."""
+    one run; fsdp columns inside a tensor-parallel column block are one run per row. Cached
+    (read-only): every push of a run cuts the same regions."""
     extents = [i1 - i0 for i0, i1 in inner]
     sizes = [o1 - o0 for o0, o1 in outer]
     rank = len(extents)
@@ -136,8 +147,9 @@ def _runs(inner: Bounds, outer: Bounds, itemsize: int) -> tuple[np.ndarray, int]
     lead = extents[:split]
     grid = np.indices(lead, dtype=np.int64).reshape(len(lead), -1) if lead else \
         np.zeros((0, 1), np.int64)
-    offsets = first + (grid * np.array(strides[:split], np.int64)[:, None]).sum(0)
-    return offsets * itemsize, run * itemsize
+    offsets = (first + (grid * np.array(strides[:split], np.int64)[:, None]).sum(0)) * itemsize
+    offsets.flags.writeable = False
+    return offsets, run * itemsize
 
 
 @dataclass
@@ -166,6 +178,11 @@ class ChunkAssembler:
     shards in tensor-parallel row blocks), else into a reused scratch buffer and copied into
     place in one strided copy (fsdp columns inside tensor-parallel column blocks). ``base`` (a
     delta push) returns the served tensor as a host array; only with it may chunks be deltas.
+    ``allocate(shape, dtype)`` makes the blocks' buffers (64-byte aligned; e.g.
+    :meth:`splitrl.wire.StagingPool.take`, which reuses the buffers of earlier pushes).
+
+    Every float chunk is also checked for NaN and Inf while its bytes are still in the cache
+    (:func:`has_nonfinite`); :meth:`nonfinite_names` lists the tensors that had any.
     """
 
     def __init__(
@@ -178,8 +195,10 @@ class ChunkAssembler:
         total_bytes: int | None = None,
         base: Callable[[str], np.ndarray] | None = None,
         blocks: Mapping[str, Sequence[Bounds]] | None = None,
+        allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = aligned_empty,
     ):
         self.version = version
+        self._allocate = allocate
         self.max_chunk_bytes = max_chunk_bytes
         self._base = base
         self._tensors = {}
@@ -226,6 +245,7 @@ class ChunkAssembler:
         self.payload_bytes += len(payload)
         tensor.modified = tensor.modified or changed > 0
         self._verify(chunk, checksum(decoded), start, where)
+        self._check_finite(tensor, decoded)
         region.write(start, end, decoded)
         return self._complete(chunk, tensor, region, start, end)
 
@@ -245,7 +265,7 @@ class ChunkAssembler:
         scattered = view is None
         if scattered:
             if self._scratch is None or len(self._scratch) < size:
-                self._scratch = np.empty(max(size, self.max_chunk_bytes), np.uint8)
+                self._scratch = self._allocate((max(size, self.max_chunk_bytes),), np.uint8)
             view = memoryview(self._scratch[:size])
         self._pending = _Pending(chunk, tensor, region, start, end, where, view, scattered)
         return view
@@ -258,6 +278,7 @@ class ChunkAssembler:
         self.payload_bytes += pending.end - pending.start
         pending.tensor.modified = True
         self._verify(pending.chunk, checksum(pending.view), pending.start, pending.where)
+        self._check_finite(pending.tensor, pending.view)
         if pending.scattered:
             pending.region.write(pending.start, pending.end,
                                  np.frombuffer(pending.view, np.uint8))
@@ -265,6 +286,11 @@ class ChunkAssembler:
                               pending.end)
 
     # -- checks -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_finite(tensor: _Tensor, data) -> None:
+        if not tensor.nonfinite and has_nonfinite(data, tensor.dtype):
+            tensor.nonfinite = True
 
     def _locate(self, chunk, size: int) -> tuple[_Tensor, _Region, int, int, str]:
         """Every check that does not need the bytes; claims the chunk's byte range."""
@@ -298,10 +324,14 @@ class ChunkAssembler:
             raise WireError(_INVALID, f"{where}: duplicate chunk, region start "
                             f"{list(region.start)} shape {list(region.shape)} is already complete")
         length = chunk.length if chunk.encoding in _DELTAS else size
-        if chunk.encoding in _DELTAS and (length <= 0 or length % tensor.dtype.itemsize
-                                          or length > self.max_chunk_bytes):
+        itemsize = tensor.dtype.itemsize
+        if chunk.offset % itemsize or length % itemsize:
+            raise WireError(_INVALID, f"{where}: bytes [{chunk.offset}, "
+                            f"{chunk.offset + length}) do not start and end on whole "
+                            f"{itemsize}-byte {tensor.dtype.name} elements")
+        if chunk.encoding in _DELTAS and (length <= 0 or length > self.max_chunk_bytes):
             raise WireError(_INVALID, f"{where}: a delta chunk's length must be a positive "
-                            f"number of {tensor.dtype.itemsize}-byte elements up to "
+                            f"number of {itemsize}-byte elements up to "
                             f"max_chunk_bytes {self.max_chunk_bytes}; got {length}")
         end = chunk.offset + length
         if chunk.offset < 0 or end > region.nbytes or (length == 0 and region.nbytes > 0):
@@ -379,10 +409,9 @@ class ChunkAssembler:
         tensor.regions[key] = region
         return region
 
-    @staticmethod
-    def _block_array(tensor: _Tensor, block: _Block) -> np.ndarray:
+    def _block_array(self, tensor: _Tensor, block: _Block) -> np.ndarray:
         if block.array is None:
-            block.array = aligned_empty(tuple(b - a for a, b in block.bounds), tensor.dtype)
+            block.array = self._allocate(tuple(b - a for a, b in block.bounds), tensor.dtype)
         return block.array
 
     def _region_base(self, name: str, tensor: _Tensor, region: _Region) -> np.ndarray:
@@ -411,6 +440,10 @@ class ChunkAssembler:
         """False when a complete tensor of a delta push equals the base bit for bit (every chunk
         a delta with no change): the receiver may keep serving the base's array."""
         return self._tensors[name].modified
+
+    def nonfinite_names(self) -> list[str]:
+        """The tensors any of whose chunks held a NaN or an Inf, sorted."""
+        return sorted(n for n, t in self._tensors.items() if t.nonfinite)
 
     def pop_blocks(self, name: str) -> dict[Bounds, np.ndarray]:
         """A complete tensor as ``{block bounds: array}`` (the assembler drops its references)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from collections.abc import Mapping, Sequence
 
 import crc32c as _crc32c
@@ -69,6 +70,47 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     raw = np.empty(nbytes + ALIGNMENT, np.uint8)
     skip = -raw.ctypes.data % ALIGNMENT
     return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+# Float dtype name -> (unsigned view of the same width, bits of the magnitude, bits of +Inf):
+# an element is NaN or Inf iff its magnitude bits are at least those of Inf.
+_NONFINITE_BITS = {
+    "bfloat16": (np.uint16, 0x7FFF, 0x7F80),
+    "float16": (np.uint16, 0x7FFF, 0x7C00),
+    "float32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
+    "float64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+}
+_PIECE_BYTES = 512 * 1024  # cache-sized pieces: the masked copy never leaves the cache
+_scratch = threading.local()  # one masked-copy buffer per receiving thread
+
+
+def has_nonfinite(data, dtype) -> bool:
+    """True iff the bytes ``data`` (whole elements of float ``dtype``) hold a NaN or an Inf.
+
+    Integer passes over the bits (mask off the sign, compare the maximum with Inf's bits) in
+    cache-sized pieces: measured ~2.5x memcpy speed for bfloat16 here, where a float reduction
+    (XLA's or numpy's max(|x|)) of bfloat16 runs below memcpy speed, and a receiver at wire speed
+    cannot afford a pass slower than the copy that brought the bytes. Exact: no overflow, no
+    rounding. False for non-float dtypes.
+    """
+    spec = _NONFINITE_BITS.get(np.dtype(dtype).name)
+    if spec is None:
+        return False
+    unsigned, magnitude, inf = spec
+    bits = np.frombuffer(data, np.uint8).view(unsigned)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = np.empty(_PIECE_BYTES, np.uint8)
+    masked = buffer.view(unsigned)
+    step = len(masked)
+    mask = unsigned(magnitude)
+    for i in range(0, len(bits), step):
+        piece = bits[i : i + step]
+        out = masked[: len(piece)]
+        np.bitwise_and(piece, mask, out=out)
+        if np.maximum.reduce(out) >= inf:
+            return True
+    return False
 
 
 def byte_view(array: np.ndarray) -> np.ndarray:

@@ -1,5 +1,7 @@
 """GenerationEngine: greedy equals a no-cache reference, seeds, top-k support, logprobs, n per
-prompt from one prefill, EOS / stop tokens, length limits, and a 2-device tensor-parallel mesh.
+prompt from one prefill, EOS / stop tokens, length limits, refusals, and a 2-device
+tensor-parallel mesh. (Admission timing, exclusive requests and the budget:
+test_continuous_batching.py.)
 
 Programs are shared between tests (same buckets) to keep compilation to a handful.
 """
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sampler_service.engine import GenerationEngine, bucket
+from sampler_service.engine import GenerationEngine
 from sampler_service.sampling import SamplingOptions
 from splitrl.config import MeshConfig
 from splitrl.mesh import build_mesh
@@ -37,7 +39,9 @@ def tiny_model():
 
 
 def make_engine(model, mesh, **kw):
-    args = dict(max_batch_size=8, max_sequence_length=32, eos_token_ids=(), pad_token_id=0)
+    # One segment length for every test's engines: it is part of the decode program's shape.
+    args = dict(max_batch_size=8, max_sequence_length=32, eos_token_ids=(), pad_token_id=0,
+                segment_steps=4)
     args.update(kw)
     graphdef, state = nnx.split(model)
     engine = GenerationEngine(model.config, graphdef, mesh=mesh, **args)
@@ -166,7 +170,7 @@ def test_same_seed_reproduces_regardless_of_batching(setup):
     # One prompt per batch (max_batch_size = n): same samples as the 2-prompt batch.
     small, small_state = make_engine(model, mesh, max_batch_size=4)
     c = small.generate(small_state, PROMPTS[:2], SAMPLED, n=4)
-    assert small.stats["batches"] == 2
+    assert small.max_batch_size == 4 and small.stats["peak_active_sequences"] == 4
     for sa, sc in zip(a, c, strict=True):
         for x, y in zip(sa, sc, strict=True):
             assert x.token_ids == y.token_ids
@@ -185,9 +189,14 @@ def test_too_long_prompt_is_rejected_with_index_and_lengths(setup):
         engine.generate(state, [[1]], SamplingOptions(), n=0)
 
 
-def test_buckets_are_powers_of_two_with_a_cap():
-    assert [bucket(x) for x in (1, 16, 17, 100)] == [16, 16, 32, 128]
-    assert bucket(3, minimum=1) == 4 and bucket(20, cap=24) == 24 and bucket(30, cap=24) == 32
+def test_requests_that_can_never_fit_are_refused_with_the_numbers(setup):
+    model, mesh, engine, state = setup
+    with pytest.raises(ValueError, match=r"n: 9 completions of one prompt are decoded "
+                                         r"together, but at most 8 rows fit"):
+        engine.generate(state, [[1]], SamplingOptions(), n=9)
+    with pytest.raises(ValueError, match=r"kv_cache_bytes 1000 holds no sequence of "
+                                         r"max_sequence_length 32 \(one needs 10240 bytes"):
+        make_engine(model, mesh, kv_cache_bytes=1000)
 
 
 _TP_SCRIPT = textwrap.dedent("""

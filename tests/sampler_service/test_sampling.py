@@ -14,9 +14,9 @@ from splitrl.config import SamplingConfig
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", -0.1), ("top_k", -1), ("top_k", 2.5), ("top_p", 0.0), ("top_p", 1.5),
-     ("max_new_tokens", 0), ("stop_token_ids", [1, -2]), ("stop_token_ids", "7"),
-     ("seed", "x"), ("greedy", 1)],
+    [("temperature", -0.1), ("temperature", 1e-38), ("top_k", -1), ("top_k", 2.5),
+     ("top_p", 0.0), ("top_p", 1.5), ("max_new_tokens", 0), ("stop_token_ids", [1, -2]),
+     ("stop_token_ids", "7"), ("seed", "x"), ("greedy", 1)],
 )
 def test_invalid_options_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingOptions\.{field}: expected"):

@@ -55,6 +55,17 @@ def test_bad_sampling_params_are_invalid_argument(params, fragment):
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and fragment in e.value.message
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 9e-6])
+def test_temperatures_that_overflow_the_logits_are_refused_with_the_bound(temperature):
+    # 1e-38 used to pass and sample token 0 with logprob -inf for every row.
+    with pytest.raises(RequestError) as e:
+        _worker().sampling_options(common_pb2.SamplingParams(temperature=temperature))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.temperature: expected 0 (greedy) or 1e-05 <= temperature <= 100" in (
+        e.value.message)
+    assert not _worker().sampling_options(common_pb2.SamplingParams(temperature=1e-5)).is_greedy
+
+
 def test_text_prompts_need_a_tokenizer_and_roles_are_checked(tokenizer):
     with pytest.raises(RequestError) as e:
         _worker().prepare([common_pb2.Prompt(text="hi")], 4)

@@ -62,7 +62,10 @@ def start_services(directory: Path, model_dir: Path) -> tuple[Launcher, dict[str
         "trainer.eval_before=false", "trainer.eval_after=false", "trainer.mesh.axes={fsdp: 1}",
         "sampler.max_batch_size=4", "sampler.max_sequence_length=16",
         "sampler.register_with_trainer=false", "sampler.mesh.axes={tensor: 1}",
-        "services.num_samplers=1", f"services.auth.token={TOKEN}"])
+        "services.num_samplers=1", f"services.auth.token={TOKEN}",
+        # The trainer idles, waiting for samplers, for as long as the tests take (a loaded
+        # machine made them outlast the default 600 s, and the trainer exited 1).
+        "services.sampler_wait_s=86400"])
     launcher = Launcher(cfg)
     try:
         launcher.start("reward", "reward", [])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from splitrl.cli import build_parser, main
 
 
@@ -65,3 +67,19 @@ def test_list_tasks_shows_options_splits_and_columns(capsys):
                      "splits: train, test", "gsm8k: GSM8K", "files: Any dataset",
                      "prompt_field='question'", "math500", "docs/data.md"):
         assert fragment in out, fragment
+
+
+def test_overrides_may_follow_options_and_strays_are_still_refused():
+    from splitrl.cli import _parse, build_parser
+
+    parser = build_parser()
+    args = _parse(parser, ["eval", "runs/x/export", "--k", "1,4", "trainer.data.eval_size=10",
+                           "--config", "run.yaml", "sampling.temperature=0.7"])
+    assert (args.target, args.k, args.config) == ("runs/x/export", "1,4", "run.yaml")
+    assert args.overrides == ["trainer.data.eval_size=10", "sampling.temperature=0.7"]
+    args = _parse(parser, ["up", "--resume", "force", "trainer.steps=3"])
+    assert (args.resume, args.overrides) == ("force", ["trainer.steps=3"])
+    with pytest.raises(SystemExit):
+        _parse(parser, ["eval", "m", "--bogus"])
+    with pytest.raises(SystemExit):
+        _parse(parser, ["plot", "runs/x", "a=b"])  # plot takes no overrides

@@ -1,10 +1,23 @@
-"""The typed config: strict keys and types, validators, YAML + dotted overrides."""
+"""The typed config: strict keys and types, validators, YAML + dotted overrides, recipes,
+the JSON schema."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from splitrl.config import Config, ConfigError, dump_config, load_config, parse_override
+from splitrl.config import (
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    MeshConfig,
+    OptimizerConfig,
+    RewardFunctionConfig,
+    dump_config,
+    load_config,
+    parse_override,
+)
 
 
 def test_defaults_load_without_a_file():
@@ -51,6 +64,12 @@ def test_range_validators_name_the_nested_key():
         load_config(None, ["trainer.optimizer.lr=-1.0"])
     with pytest.raises(ConfigError, match=r"sampling\.top_p"):
         load_config(None, ["sampling.top_p=1.5"])
+    with pytest.raises(ConfigError, match=r"sampling\.temperature: expected 0 \(greedy\) or "
+                                          r">= 1e-05"):
+        load_config(None, ["sampling.temperature=1.0e-38"])
+    with pytest.raises(ConfigError, match=r"sampler\.batching: expected one of \['continuous', "
+                                          r"'static'\], got 'dynamic'"):
+        load_config(None, ["sampler.batching=dynamic"])
 
 
 def test_list_of_sections_is_typed():
@@ -81,6 +100,67 @@ def test_missing_file_is_an_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def test_every_problem_is_named_on_its_own_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["trainer.steps=1.5", "sampling.top_k=-1", "trainer.report_to=[tb]"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "3 problems:"
+    assert set(lines[1:]) == {
+        "  sampling.top_k: expected a value >= 0, got -1",
+        "  trainer.steps: expected int, got float 1.5",
+        "  trainer.report_to[0]: expected one of ['tensorboard', 'wandb'], got 'tb'",
+    }
+
+
+def test_section_checks_name_the_key_where_the_section_is():
+    with pytest.raises(ConfigError, match=r"^trainer\.mesh\.axes: expected at least one axis"):
+        load_config(None, ["trainer.mesh.axes={}"])
+    with pytest.raises(ConfigError, match=r"^sampler\.mesh: expected a mapping for MeshConfig, "
+                                          r"got int 3"):
+        load_config(None, ["sampler.mesh=3"])
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer\.mesh\.axis' \(known: axes, "):
+        load_config(None, ["trainer.mesh.axis={fsdp: 2}"])
+
+
+def test_sections_build_like_dataclasses_and_check_what_they_are_given():
+    assert RewardFunctionConfig("format", 0.5).weight == 0.5
+    assert OptimizerConfig(lr=0.1) == OptimizerConfig(0.1)
+    with pytest.raises(ConfigError, match=r"^lr: expected a value > 0, got 0"):
+        OptimizerConfig(lr=0)
+    with pytest.raises(ConfigError, match=r"^mesh\.axes: expected at least one axis"):
+        MeshConfig(axes={})
+
+
+def test_recipes_set_the_papers_values_and_keys_set_beside_them_win(tmp_path):
+    dapo = load_config(None, ["algorithm.recipe=dapo"]).algorithm
+    assert (dapo.eps_low, dapo.eps_high, dapo.aggregation, dapo.filter_zero_variance) == (
+        0.2, 0.28, "token-mean", True)
+    assert load_config(None, ["algorithm.recipe=gspo"]).algorithm.loss == "gspo"
+    assert load_config(None, ["algorithm.recipe=dr_grpo"]).algorithm.advantage == "drgrpo"
+    custom = load_config(None, ["algorithm.recipe=dapo", "algorithm.eps_high=0.3"]).algorithm
+    assert (custom.eps_high, custom.eps_low) == (0.3, 0.2)
+    assert AlgorithmConfig(recipe="grpo", beta=0.0).beta == 0.0
+    assert AlgorithmConfig(recipe="grpo").beta == 0.04
+    cfg = load_config(None, ["algorithm.recipe=gspo_token", "algorithm.group_size=4"])
+    dump_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg  # the resolved values, recipe and all
+    with pytest.raises(ConfigError, match=r"algorithm\.recipe: expected one of \['grpo', "):
+        load_config(None, ["algorithm.recipe=ppo"])
+
+
+def test_the_json_schema_describes_every_section(capsys):
+    from splitrl.cli import main
+
+    assert main(["config", "--schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    trainer = schema["$defs"]["TrainerConfig"]
+    assert trainer["additionalProperties"] is False
+    assert trainer["properties"]["steps"]["minimum"] == 0
+    assert schema["$defs"]["OptimizerConfig"]["properties"]["lr"]["exclusiveMinimum"] == 0
+    assert set(schema["properties"]) == {"run_name", "model", "sampling", "reward", "algorithm",
+                                         "trainer", "sampler", "services"}
+
+
 def test_weight_sync_keys_are_typed_and_checked():
     cfg = load_config(None, ["sampler.dtype=bfloat16", "sampler.data_port=null",
                              "trainer.push.transport=grpc", "trainer.push.delta=false"])
@@ -91,6 +171,9 @@ def test_weight_sync_keys_are_typed_and_checked():
         load_config(None, ["sampler.data_port=70000"])
     with pytest.raises(ConfigError, match=r"sampler\.push_idle_timeout_s: expected a value > 0"):
         load_config(None, ["sampler.push_idle_timeout_s=0"])
+    with pytest.raises(ConfigError,
+                       match=r"trainer\.push\.straggler_wait_s: expected a value > 0, got -1"):
+        load_config(None, ["trainer.push.straggler_wait_s=-1.0"])
     with pytest.raises(ConfigError, match=r"trainer\.push\.transport"):
         load_config(None, ["trainer.push.transport=carrier-pigeon"])
     with pytest.raises(ConfigError, match=r"sampler\.dtype"):

@@ -40,8 +40,11 @@ def test_train_batch_layout_masks_and_advantages():
     np.testing.assert_allclose(batch.advantages, [1.0, -1.0, 0.0, 0.0], atol=1e-4)
 
 
-def test_bucket_rounds_up_to_powers_of_two():
-    assert [bucket(n) for n in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
+def test_bucket_rounds_up_to_quarter_octaves():
+    assert [bucket(n) for n in (1, 8, 9, 17, 44, 64, 65)] == [8, 8, 10, 20, 48, 64, 80]
+    for n in range(1, 3000):  # never short, never more than 25% (or the minimum) padding
+        assert n <= bucket(n) <= max(8, 1.25 * n)
+    assert len({bucket(n) for n in range(1, 4097)}) == 37  # a few programs per run
 
 
 def test_dns_names_resolve_to_addresses_without_a_name_server():

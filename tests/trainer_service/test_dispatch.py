@@ -77,8 +77,10 @@ def test_a_sampler_dying_mid_request_hands_its_prompts_to_another(samplers):
     assert queue.outstanding() == 0, (dict(queue.counts), requests)
     by = {g.sampler_id for g in taken.groups}
     assert "healthy" in by
+    # Suspect until a probe answers. (Its failure count may be back at 0: it is a count of
+    # consecutive failures, and a request it held at the same time may have completed.)
     handle = next(h for h in pool.all() if h.sampler_id == "dying")
-    assert handle.failures >= 1
+    assert handle.state == SUSPECT
 
 
 def test_requests_carry_each_prompts_seed_and_fixed_units_whatever_the_samplers(samplers):

@@ -84,6 +84,21 @@ def test_micro_batches_accumulate_to_the_full_batch_update():
         assert m_micro[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-7), key
 
 
+def test_a_warm_up_changes_nothing_the_next_step_computes():
+    batch = rollout_batch(2)
+    plain = make_learner(mesh_of(2), optimizer=CONSTANT_LR)
+    warmed = make_learner(mesh_of(2), optimizer=CONSTANT_LR)
+    before = jax.device_get(warmed.params)
+    warmed.warm_up(*batch.tokens.shape)
+    assert warmed.step == 0
+    for name, value in jax.device_get(warmed.params).items():
+        np.testing.assert_array_equal(value, before[name])
+    m_plain, m_warmed = plain.train_step(batch), warmed.train_step(batch)
+    assert m_warmed == m_plain
+    for name in plain.params:  # bitwise: a synchronous run is reproducible with or without it
+        np.testing.assert_array_equal(warmed.params[name], plain.params[name])
+
+
 def test_later_epochs_measure_the_ratio_against_the_first_epoch_and_report_metrics():
     learner = make_learner(mesh_of(2), epochs_per_batch=3, optimizer=OptimizerConfig(lr=5e-2))
     m = learner.train_step(_on_policy(learner, rollout_batch(4)))

@@ -23,3 +23,23 @@ def test_plot_writes_pngs_for_the_metrics_present(tmp_path, capsys):
 def test_plot_of_a_directory_without_metrics_says_so(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_single_evaluation_points_are_drawn_not_only_listed_in_the_legend():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer_service.plots import _draw
+
+    records = [{"step": 0, "eval_before/accuracy": 0.1}, {"step": 1, "accuracy/mean": 0.2},
+               {"step": 2, "accuracy/mean": 0.3}, {"step": 3, "accuracy/mean": 0.4},
+               {"step": 3, "eval_after/accuracy": 0.9}]
+    fig, ax = plt.subplots()
+    _draw(ax, records, ["accuracy/mean", "eval_before/accuracy", "eval_after/accuracy"], "acc")
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    for key in ("eval_before/accuracy", "eval_after/accuracy"):  # a visible marker each
+        assert lines[key].get_marker() == "o" and lines[key].get_markersize() > 0
+    assert lines["accuracy/mean"].get_linestyle() == "-"
+    plt.close(fig)

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from splitrl.v1 import common_pb2
+from splitrl.v1 import common_pb2, sampler_pb2
+from trainer_service.orchestration.dispatcher import group_from_wire
 from trainer_service.orchestration.queue import Failure, Lane, RolloutQueue
 from trainer_service.orchestration.rollouts import (
     EVAL,
@@ -138,6 +139,34 @@ def test_a_group_generated_partly_with_old_weights_counts_by_its_oldest_version(
     q.deliver(claim.request_id, group(claim.items[0], version=4))  # oldest token: version 4
     q.finish(claim.request_id)
     assert q.counts["stale_dropped"] == 1 and q.outstanding() == 1
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_wire_group_spanning_a_weight_update_is_judged_by_its_oldest_token(staleness):
+    """A sampler with ``update_in_flight`` swaps weights under running completions: each lists
+    the versions its tokens came from. Even if the group's own field named the newest version,
+    the trainer takes the oldest, so ``max_staleness`` decides: dropped (and re-queued) at 0,
+    trained at 1 (its per-token logprobs are the behaviour policy the loss corrects against)."""
+    q = queue(staleness=staleness)
+    q.set_version(5)
+    q.add(items(1))
+    claim = q.claim("s0", 5, capacity=8)
+    msg = sampler_pb2.ScoredGroup(
+        prompt_id="p0", prompt_token_ids=[1, 2], weight_version=5, sampler_id="s0",
+        completions=[common_pb2.Completion(token_ids=[3, 4], logprobs=[-0.1, -0.2],
+                                           total_reward=r, weight_versions=versions)
+                     for r, versions in ((1.0, [4, 5]), (0.0, [5]))])
+    built = group_from_wire(claim.items[0], msg, claim.request_id)
+    assert built.weight_version == 4
+    assert [c.weight_versions for c in built.completions] == [[4, 5], [5]]
+    q.deliver(claim.request_id, built)
+    q.finish(claim.request_id)
+    if staleness == 0:
+        assert q.counts["stale_dropped"] == 1 and q.outstanding() == 1
+    else:
+        assert q.counts["stale_dropped"] == 0
+        (taken,) = q.take(TRAIN, 1).groups
+        assert taken.weight_version == 4 and taken.item.uid == "p0#0"
 
 
 def test_dynamic_sampling_filters_flat_groups_and_reports_the_shortfall():
@@ -291,3 +320,21 @@ def test_item_seeds_depend_on_run_seed_and_uid_only():
     assert len({item_seed(0, f"p#{i}") for i in range(1000)}) == 1000
     assert item_seed(1, "p1#7") != item_seed(0, "p1#7")
     assert 0 <= item_seed(123, "x") < 1 << 63
+
+
+def test_an_evaluation_mid_run_drains_only_its_own_lanes_events():
+    q = queue(filter_zero_variance=True)
+    q.add(items(2))
+    claim = q.claim("s0", 0, capacity=8)
+    q.deliver(claim.request_id, group(claim.items[0], rewards=(1.0, 1.0)))  # filtered
+    serve(q, claim, only={"p1#1"})
+    q.finish(claim.request_id)
+    q.add(items(1, start=5, lane=EVAL))
+    evaluation = q.claim("s0", 0, capacity=8)
+    q.finish(evaluation.request_id, Failure("INVALID_ARGUMENT: bad", refused=True))
+    retry = q.claim("s0", 0, capacity=8)
+    q.finish(retry.request_id, Failure("INVALID_ARGUMENT: bad", refused=True))
+    assert [i.uid for i, _ in q.drain_events(EVAL).dropped] == ["p5#5"]
+    train = q.drain_events(TRAIN)  # the train lane's filtered group is still there for it
+    assert [g.item.uid for g in train.filtered] == ["p0#0"] and train.dropped == []
+    assert q.drain_events().filtered == []

@@ -2,7 +2,8 @@
 
 Each completion becomes one row: the prompt left-padded to the batch's longest prompt, then the
 completion right-padded. Lengths are rounded up to buckets so that a run compiles a few train
-programs, not one per batch shape.
+programs, not one per batch shape: four per doubling of the length, so padding costs at most
+25% more tokens (a power-of-two bucket cost up to 100%: 44 tokens trained as 64).
 """
 
 from __future__ import annotations
@@ -16,11 +17,16 @@ from trainer_service.orchestration.rollouts import RolloutGroup
 
 
 def bucket(n: int, minimum: int = 8) -> int:
-    """Round ``n`` up to a power of two (at least ``minimum``)."""
+    """Round ``n`` up to the next of ``minimum`` * 2^k * {1, 1.25, 1.5, 1.75} (at least
+    ``minimum``): 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, ... for ``minimum`` 8."""
     size = minimum
     while size < n:
         size *= 2
-    return size
+    if size == minimum:
+        return size
+    half = size // 2
+    step = max(half // 4, 1)
+    return half + -(-(n - half) // step) * step
 
 
 def build_train_batch(

@@ -4,7 +4,9 @@ A checkpoint at train step `step` holds two orbax items:
   state  arrays (StandardSave): {"params", "opt_state"} from `Learner.train_state()`, plus
          "rng" (the key data of the trainer's PRNG key, if any)
   meta   JSON (JsonSave): step, weight version, the data cursor (an opaque JSON dict from the
-         data pipeline), the PRNG implementation and the run's config
+         data pipeline), the PRNG implementation, the run's config and what the learner says
+         its train state was made with (`Learner.checkpoint_meta()`: LoRA rank, targets and
+         base checkpoint), which `meta` returns before any array is restored
 
     ckpt = Checkpointer.from_config(cfg.trainer.checkpoint, run_dir)
     ckpt.save(step, learner.train_state(), weight_version=v, data_cursor=cursor, rng=key,
@@ -47,6 +49,7 @@ class Checkpoint:
     data_cursor: dict
     rng: jax.Array | None
     config: dict | None
+    learner_meta: dict | None = None
 
 
 class Checkpointer:
@@ -86,6 +89,7 @@ class Checkpointer:
         data_cursor: dict | None = None,
         rng: jax.Array | None = None,
         config: dict | None = None,
+        learner_meta: dict | None = None,
         force: bool = False,
     ) -> bool:
         """Save the train state and metadata at `step` if `should_save(step)` or `force`
@@ -99,6 +103,7 @@ class Checkpointer:
             "weight_version": int(weight_version),
             "data_cursor": data_cursor or {},
             "config": config,
+            "learner": learner_meta,
             "rng_impl": None,
         }
         if rng is not None:
@@ -124,9 +129,16 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def restore(self, abstract_state: Any, step: int | None = None) -> Checkpoint:
-        """Restore `step` (default: the latest) onto the shardings of `abstract_state`."""
+    def meta(self, step: int | None = None) -> dict:
+        """The JSON metadata of `step` (default: the latest): step, weight version, data cursor
+        and the config of the run that saved it, without reading any array."""
         self.wait()
+        step = self._existing(step)
+        return self._manager.restore(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+        ).meta
+
+    def _existing(self, step: int | None) -> int:
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -135,9 +147,12 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no checkpoint for step {step} in {self.directory}; have {self.all_steps()}"
             )
-        meta = self._manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-        ).meta
+        return step
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> Checkpoint:
+        """Restore `step` (default: the latest) onto the shardings of `abstract_state`."""
+        step = self._existing(step)
+        meta = self.meta(step)
         abstract = {"train": abstract_state}
         if meta.get("rng_impl") is not None:
             abstract["rng"] = jax.ShapeDtypeStruct(
@@ -156,6 +171,7 @@ class Checkpointer:
             data_cursor=meta["data_cursor"],
             rng=rng,
             config=meta.get("config"),
+            learner_meta=meta.get("learner"),
         )
 
     def wait(self) -> None:

@@ -21,6 +21,13 @@ reported loss metrics are the mean over epochs.
 Parameters are kept as a flat `{hf_name: array}` dict (the names of the HF checkpoint and of
 the weight wire), sharded with `splitrl.mesh.param_shardings`, and turned back into the nnx
 model inside `jax.jit` (`nnx.merge`), which is much cheaper per step than `nnx.jit`.
+
+With LoRA (`lora=LoraSpec`, `splitrl.models.lora`) the trained `params` are the adapters only
+(`<module>.lora_A.weight` / `lora_B.weight`, sharded on the same mesh), and the frozen base
+weights are `base_params`: the forward attaches the adapters to the base model inside the jit,
+so gradients and optimizer state exist for the adapters alone, and the reference policy of the
+KL term is the same base with the adapters off (no second copy). `policy_params()` is what
+samplers serve and the export holds: the base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from splitrl.models import (
     state_from_hf,
     token_logprobs,
 )
+from splitrl.models import lora as lora_lib
+from splitrl.models.lora import LoraSpec
 from trainer_service.learning import losses
 from trainer_service.learning.optim import make_optimizer
 
@@ -99,8 +108,9 @@ class TrainBatch:
 
 
 class Learner:
-    """Owns the policy parameters, the optimizer state and (iff beta > 0) frozen reference
-    parameters, all on `mesh`; `train_step` runs one GRPO/GSPO update."""
+    """Owns the policy parameters, the optimizer state and (iff beta > 0 without LoRA) frozen
+    reference parameters, all on `mesh`; `train_step` runs one GRPO/GSPO update. With `lora`
+    the trained parameters are the adapters (see the module docstring)."""
 
     def __init__(
         self,
@@ -116,9 +126,16 @@ class Learner:
         logprob_chunk_size: int = 256,
         reference: CausalLM | None = None,
         generation_budget: int | None = None,
+        lora: LoraSpec | None = None,
+        adapters: dict[str, Any] | None = None,
+        seed: int = 0,
+        base_fingerprint: str | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training logprobs, got {temperature}")
+        if lora is not None and reference is not None:
+            raise ValueError("with LoRA the reference policy is the base model (adapters off); "
+                             "a separate reference model is not used")
         self.algorithm = algorithm
         self.mesh = mesh
         self.config = model.config
@@ -130,6 +147,9 @@ class Learner:
         self.loss_settings = losses.loss_settings(algorithm, generation_budget)
         self.tx, self.schedule = make_optimizer(optimizer, updates_per_step=epochs_per_batch)
         self.step = 0  # train steps done
+        self.lora = lora
+        self.seed = seed
+        self.base_fingerprint = base_fingerprint  # of the base checkpoint (LoRA runs)
 
         self._graphdef = nnx.split(abstract_model(self.config, self.dtype))[0]
         flat = hf_from_state(nnx.state(model, nnx.Param))
@@ -137,11 +157,24 @@ class Learner:
         # abstract learner: every array below is a sharded ShapeDtypeStruct, nothing is
         # allocated, and `lower_train_step` compiles its programs ahead of time (`splitrl plan`).
         self.abstract = all(isinstance(v, jax.ShapeDtypeStruct) for v in flat.values())
-        self.param_shardings = param_shardings(mesh, flat, strategy)
-        self.params: Params = self._place(flat, self.param_shardings)
-        # Reference policy for the KL term: kept only when it is used (beta > 0).
+        # Frozen base weights (LoRA only): read by every forward, never updated or saved.
+        self.base_params: Params | None = None
+        if lora is None:
+            self.param_shardings = param_shardings(mesh, flat, strategy)
+            self.params: Params = self._place(flat, self.param_shardings)
+        else:
+            self.base_params = self._place(flat, param_shardings(mesh, flat, strategy))
+            if adapters is None:
+                adapters = lora_lib.init_adapters(self.config, lora, seed)
+            lora_lib.check_adapters(self.config, lora, adapters)
+            adapters = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) if self.abstract
+                        else jnp.asarray(v, jnp.float32) for k, v in adapters.items()}
+            self.param_shardings = param_shardings(mesh, adapters, strategy)
+            self.params = self._place(adapters, self.param_shardings)
+        # Reference policy for the KL term: kept only when it is used (beta > 0); with LoRA it
+        # is the base (adapters off), which is already here.
         self.ref_params: Params | None = None
-        if algorithm.beta > 0:
+        if algorithm.beta > 0 and lora is None:
             source = flat if reference is None else hf_from_state(nnx.state(reference, nnx.Param))
             self.ref_params = self._place(
                 jax.tree.map(jnp.array, source) if not self.abstract else source,
@@ -152,12 +185,22 @@ class Learner:
         init = jax.eval_shape if self.abstract else lambda f, x: f(x)
         self.opt_state = self._place(init(self.tx.init, self.params), self._opt_shardings)
         # Hashable static descriptions: learners with equal settings share compiled steps.
-        self._spec = _ForwardSpec(self._graphdef, self.config, logprob_chunk_size, temperature)
+        self._spec = _ForwardSpec(self._graphdef, self.config, logprob_chunk_size, temperature,
+                                  lora)
         self._settings = tuple(sorted(self.loss_settings.items()))
 
     @classmethod
     def from_config(cls, model: CausalLM, cfg, mesh: Mesh) -> Learner:
-        """A learner for a whole run's `splitrl.config.Config` on the trainer's `mesh`."""
+        """A learner for a whole run's `splitrl.config.Config` on the trainer's `mesh` (with
+        adapters when `model.lora` is set: fresh, or the PEFT adapter at `model.lora.path`)."""
+        lora = adapters = fingerprint = None
+        if cfg.model.lora is not None:
+            from splitrl.models.hf_io import checkpoint_fingerprint
+
+            lora, adapters = lora_lib.from_section(
+                cfg.model.lora, model.config, seed=cfg.trainer.seed,
+                base=hf_from_state(nnx.state(model, nnx.Param)))
+            fingerprint = checkpoint_fingerprint(cfg.model.path)
         return cls(
             model,
             algorithm=cfg.algorithm,
@@ -169,6 +212,10 @@ class Learner:
             temperature=cfg.sampling.temperature or 1.0,  # greedy samplers report T = 1
             logprob_chunk_size=cfg.model.logprob_chunk_size,
             generation_budget=cfg.sampling.max_new_tokens,
+            lora=lora,
+            adapters=adapters,
+            seed=cfg.trainer.seed,
+            base_fingerprint=fingerprint,
         )
 
     # ------------------------------------------------------------------ the algorithm
@@ -188,9 +235,10 @@ class Learner:
         ref = [self._reference_logprobs(mb) for mb in micro_batches]  # None unless beta > 0
         old = None  # pi_old: the first epoch's logprobs
         per_epoch = []
-        for _ in range(self.epochs):
+        for epoch in range(self.epochs):
             lr = float(self.schedule(self._updates()))
-            grads, old, loss_metrics = self._accumulate_gradients(micro_batches, old, ref, counts)
+            grads, old, loss_metrics = self._accumulate_gradients(micro_batches, old, ref, counts,
+                                                                  epoch)
             self.params, self.opt_state, grad_norm = _apply_update(
                 self.tx, self.params, self.opt_state, grads
             )
@@ -199,7 +247,27 @@ class Learner:
         metrics.update(_mean_over_epochs(per_epoch))
         return metrics
 
-    def _accumulate_gradients(self, micro_batches, old, ref, counts):
+    def warm_up(self, rows: int, length: int) -> None:
+        """Compile the train step's programs for batches of `rows` x `length` tokens before
+        the first batch exists (the trainer calls it while the samplers generate).
+
+        Runs the reference forward and the gradient program on an all-masked batch (outputs
+        dropped, parameters untouched) and compiles the optimizer update ahead of time. Changes
+        no state: a run with or without a warm-up trains the same numbers.
+        """
+        shape = (rows, length)
+        empty = TrainBatch(
+            tokens=np.zeros(shape, np.int32), attention_mask=np.zeros(shape, bool),
+            completion_mask=np.zeros(shape, bool), sampler_logprobs=np.zeros(shape, np.float32),
+            advantages=np.zeros(rows, np.float32), group_ids=np.zeros(rows, np.int32))
+        mb = self._micro_batches(empty, empty.completion_mask)[:1]
+        counts = {"num_tokens": 1.0, "num_sequences": 1.0}
+        grads, _, _ = self._accumulate_gradients(mb, None, [self._reference_logprobs(mb[0])],
+                                                 counts)
+        # The update donates params and optimizer state: compiled, not run.
+        _apply_update.lower(self.tx, self.params, self.opt_state, grads).compile()
+
+    def _accumulate_gradients(self, micro_batches, old, ref, counts, epoch=0):
         """Sum of the micro-batch gradients (= the full batch's), the logprobs to use as pi_old
         in later epochs, and the batch's loss metrics."""
         grads, parts = _zeros_like(self.params), []
@@ -208,8 +276,9 @@ class Learner:
         for i, mb in enumerate(micro_batches):
             placeholder = jnp.zeros_like(mb["sampler_logprobs"][:, 1:])
             grads, logp, m = _grad_step(
-                self._spec, self._settings, grads, self.params, mb,
+                self._spec, self._settings, grads, self.base_params, self.params, mb,
                 placeholder if first_epoch else old[i], first_epoch, ref[i], counts,
+                self._dropout_key(epoch, i),
             )
             old[i] = logp if first_epoch else old[i]
             parts.append(m)
@@ -220,6 +289,16 @@ class Learner:
     def _updates(self) -> int:
         """Optimizer updates done so far (the schedule's clock)."""
         return self.step * self.epochs
+
+    def _dropout_key(self, epoch: int, micro_batch: int) -> jax.Array | None:
+        """The LoRA dropout key of one forward: a function of (seed, step, epoch, micro-batch),
+        so a resumed run draws the same masks. None without LoRA dropout."""
+        if self.lora is None or self.lora.dropout == 0:
+            return None
+        key = jax.random.key(self.seed)
+        for part in (self.step, epoch, micro_batch):
+            key = jax.random.fold_in(key, part)
+        return key
 
     def _optimizer_shardings(self):
         """Optimizer-state leaves that mirror a parameter (Adam's moments) share its sharding;
@@ -263,28 +342,32 @@ class Learner:
         logp = spec((rows, length - 1), jnp.float32)
         scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
         counts = {"num_tokens": scalar(jnp.float32), "num_sequences": scalar(jnp.float32)}
-        params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params
-        )
-        opt_state = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.opt_state
-        )
-        ref = None if self.ref_params is None else logp
+        abstract = lambda tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        params, opt_state, base = (abstract(t) for t in (self.params, self.opt_state,
+                                                         self.base_params))
+        ref = None if self.algorithm.beta <= 0 else logp
         lowered = {
             "grad_step": _grad_step.lower(
-                self._spec, self._settings, params, params, mb, logp, scalar(jnp.bool_), ref,
-                counts,
+                self._spec, self._settings, params, base, params, mb, logp, scalar(jnp.bool_),
+                ref, counts, self._dropout_key(0, 0),
             ),
             "apply_update": _apply_update.lower(self.tx, params, opt_state, params),
         }
-        if self.ref_params is not None:
-            lowered["reference_logprobs"] = _forward.lower(self._spec, params, mb)
+        if self.lora is not None and self.algorithm.beta > 0:  # the base, adapters off
+            lowered["reference_logprobs"] = _forward.lower(
+                self._spec._replace(lora=None), None, base, mb)
+        elif self.ref_params is not None:
+            lowered["reference_logprobs"] = _forward.lower(
+                self._spec, None, abstract(self.ref_params), mb)
         return lowered
 
     def _reference_logprobs(self, mb):
-        if self.ref_params is None:
+        if self.algorithm.beta <= 0:
             return None
-        return _forward(self._spec, self.ref_params, mb)[0]
+        if self.lora is not None:  # the base model, adapters off
+            return _forward(self._spec._replace(lora=None), None, self.base_params, mb)[0]
+        return _forward(self._spec, None, self.ref_params, mb)[0]
 
     def _micro_batches(self, batch: TrainBatch, completion_mask) -> list[dict[str, jax.Array]]:
         """Split into micro-batches of equal size (the last padded with fully masked rows, so
@@ -336,9 +419,59 @@ class Learner:
 
     # ------------------------------------------------------------------ state access
 
+    def policy_params(self) -> Params:
+        """The policy's full parameters on the trainer's mesh: `params` itself, or with LoRA
+        the base with the adapters merged (`splitrl.models.lora.merge`: what samplers serve
+        after an adapter push, bitwise)."""
+        if self.lora is None:
+            return self.params
+        return lora_lib.merge(self.base_params, self.params, self.lora)
+
     def model(self) -> CausalLM:
-        """The current policy as an nnx model (shares the learner's arrays)."""
-        return nnx.merge(self._graphdef, state_from_hf(self.config, self.params))
+        """The current policy as an nnx model (with LoRA: adapters merged into the weights)."""
+        return nnx.merge(self._graphdef, state_from_hf(self.config, self.policy_params()))
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of the arrays the learner keeps alive, by role (global sizes, all shards)."""
+
+        def nbytes(tree) -> int:
+            return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                       if hasattr(x, "dtype"))
+
+        return {"trained_params": nbytes(self.params), "frozen_params": nbytes(self.base_params),
+                "reference_params": nbytes(self.ref_params), "opt_state": nbytes(self.opt_state)}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What a checkpoint's train state was made with (checked on restore)."""
+        if self.lora is None:
+            return {"lora": None}
+        return {"lora": {"rank": self.lora.rank, "alpha": self.lora.alpha,
+                         "targets": list(self.lora.targets),
+                         "base_fingerprint": self.base_fingerprint}}
+
+    def check_checkpoint_meta(self, meta: dict[str, Any] | None, where: str = "checkpoint"
+                              ) -> None:
+        """ValueError unless a checkpoint saved with `meta` (`checkpoint_meta()`; None: saved
+        before LoRA existed, i.e. without) holds this learner's kind of train state."""
+        saved = (meta or {}).get("lora")
+        mine = self.checkpoint_meta()["lora"]
+        if saved is None and mine is None:
+            return
+        if saved is None or mine is None:
+            have = "without LoRA" if saved is None else f"with LoRA rank {saved['rank']}"
+            now = "model.lora is unset" if mine is None else f"model.lora has rank {mine['rank']}"
+            raise ValueError(f"{where} was saved {have}, but {now}: its train state does not "
+                             "fit; resume with the run's model.lora, or start a new run_dir")
+        for key in ("rank", "alpha", "targets"):
+            if saved[key] != mine[key]:
+                raise ValueError(f"{where} was saved with LoRA {key} {saved[key]!r}, but "
+                                 f"model.lora gives {mine[key]!r}; resume with the run's "
+                                 "model.lora, or start a new run_dir")
+        if saved.get("base_fingerprint") != mine["base_fingerprint"]:
+            raise ValueError(f"{where} holds adapters trained on the base checkpoint "
+                             f"{saved.get('base_fingerprint')}, but model.path now holds "
+                             f"{mine['base_fingerprint']}: the adapters would apply to other "
+                             "weights; point model.path at the run's base checkpoint")
 
     def logprobs(self, batch: TrainBatch) -> np.ndarray:
         """The current policy's logprobs [B, T] of batch.tokens (0 at position 0), under the
@@ -346,7 +479,7 @@ class Learner:
         rows = self._batch_sharding(batch.tokens.shape[0])(2)
         mb = {"tokens": jax.device_put(np.asarray(batch.tokens, np.int32), rows),
               "attention_mask": jax.device_put(np.asarray(batch.attention_mask, bool), rows)}
-        lp = np.asarray(_forward(self._spec, self.params, mb)[0])
+        lp = np.asarray(_forward(self._spec, self.base_params, self.params, mb)[0])
         return np.concatenate([np.zeros((lp.shape[0], 1), lp.dtype), lp], axis=1)
 
     def train_state(self) -> dict[str, Any]:
@@ -372,12 +505,23 @@ class _ForwardSpec(NamedTuple):
     config: Any  # TransformerConfig
     chunk_size: int
     temperature: float
+    lora: LoraSpec | None = None
+
+
+def _policy(spec: _ForwardSpec, base: Params | None, params: Params, dropout_key=None):
+    """The policy model inside a jit: `params` merged into the graph, or with LoRA the base
+    with `params` (the adapters) attached to its targeted Linear modules."""
+    if spec.lora is None:
+        return nnx.merge(spec.graphdef, state_from_hf(spec.config, params))
+    model = nnx.merge(spec.graphdef, state_from_hf(spec.config, base))
+    return lora_lib.attach(model, spec.lora, params, dropout_key)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _forward(spec: _ForwardSpec, params: Params, mb: dict[str, jax.Array]):
+def _forward(spec: _ForwardSpec, base: Params | None, params: Params,
+             mb: dict[str, jax.Array], dropout_key=None):
     """(logprobs, entropy) [b, T-1] of tokens[:, 1:] given their prefixes (chunked)."""
-    model = nnx.merge(spec.graphdef, state_from_hf(spec.config, params))
+    model = _policy(spec, base, params, dropout_key)
     tokens, mask = mb["tokens"], mb["attention_mask"]
     positions = left_pad_positions(mask)
     return token_logprobs(
@@ -387,11 +531,12 @@ def _forward(spec: _ForwardSpec, params: Params, mb: dict[str, jax.Array]):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def _grad_step(spec, settings, grads_acc, params, mb, old, first_epoch, ref, counts):
+def _grad_step(spec, settings, grads_acc, base, params, mb, old, first_epoch, ref, counts,
+               dropout_key):
     """grads_acc + d(loss)/d(params) on one micro-batch; also its logprobs and metrics."""
 
     def loss_fn(p):
-        logp, entropy = _forward(spec, p, mb)
+        logp, entropy = _forward(spec, base, p, mb, dropout_key)
         old_logp = jnp.where(first_epoch, jax.lax.stop_gradient(logp), old)
         loss, metrics = losses.compute_loss(
             logp, old_logp, mb["advantages"], mb["completion_mask"][:, 1:], **dict(settings),

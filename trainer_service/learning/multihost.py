@@ -263,16 +263,24 @@ def _identity(tree):
     return tree
 
 
-def host_model(learner, params: Mapping[str, np.ndarray]):
+def host_model(learner, params: Mapping[str, np.ndarray], base_path=None):
     """The policy as an nnx model over host params (e.g. the leader's gathered copy, for the
-    export), placed on the CPU backend when there is one rather than on one accelerator."""
-    from splitrl.models import model_from_state, state_from_hf
+    export), placed on the CPU backend when there is one rather than on one accelerator. With
+    LoRA ``params`` are the adapters, merged into the base checkpoint at ``base_path`` (read
+    again on this host: the leader holds only its shards of the trainer's copy)."""
+    from splitrl.models import from_pretrained, hf_from_state, model_from_state, state_from_hf
+    from splitrl.models.lora import merge
 
     try:
         device = jax.local_devices(backend="cpu")[0]
     except RuntimeError:
         device = None
     with jax.default_device(device):
+        if learner.lora is not None:
+            from flax import nnx
+
+            base = from_pretrained(base_path, dtype=learner.dtype)
+            params = merge(hf_from_state(nnx.state(base, nnx.Param)), params, learner.lora)
         return model_from_state(learner.config, state_from_hf(learner.config, params),
                                 learner.dtype)
 

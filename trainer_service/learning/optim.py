@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import optax
@@ -55,7 +54,7 @@ def make_optimizer(
     Equal configs return the same objects, so jitted updates that take the transformation as
     a static argument are compiled once per configuration, not once per learner.
     """
-    return _make_optimizer(dataclasses.astuple(cfg), updates_per_step)
+    return _make_optimizer(tuple(cfg.model_dump().values()), updates_per_step)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,4 +1,4 @@
-"""Greedy pass@1 on an evaluation split, measured through the training path.
+"""Evaluation through the training path: greedy pass@1, and pass@k from sampled completions.
 
 Evaluation prompts are work items of the queue's ``eval`` lane: the same dispatcher, the same
 ``Rollout`` call (one greedy completion per prompt, scored by the reward service), the same
@@ -8,14 +8,27 @@ requests are reproducible (fixed composition), so the same weights give the same
 Accuracy is the mean score of one reward function, named in the config
 (``reward.accuracy_function``; by default the first configured function): for a function that
 scores 0 or 1, the fraction answered correctly.
+
+pass@k (``splitrl eval``): n sampled completions per prompt (the run's sampling settings, each
+prompt's noise a function of the seed and its uid), of which c are correct (full marks from the
+accuracy function); pass@k is the mean over prompts of Chen et al.'s (2021, "Evaluating Large
+Language Models Trained on Code", arXiv:2107.03374) unbiased estimator 1 - C(n-c, k) / C(n, k).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import threading
+
 import numpy as np
 
 from splitrl.config import Config
-from trainer_service.orchestration.rollouts import EVAL, RolloutGroup, WorkItem
+from trainer_service.orchestration.rollouts import EVAL, RolloutGroup, WorkItem, item_seed
+
+log = logging.getLogger(__name__)
+
+SAMPLED = "sampled"  # the lane of pass@k's sampled completions
 
 
 def accuracy_function(cfg: Config) -> str | None:
@@ -31,17 +44,83 @@ def eval_items(rows: list[dict]) -> list[WorkItem]:
             for i, row in enumerate(rows)]
 
 
+def sampled_items(rows: list[dict], seed: int) -> list[WorkItem]:
+    """One work item per row for the sampled lane; its noise is a function of ``seed`` and the
+    row's uid alone, so the samples do not depend on batching or on the sampler."""
+    items = []
+    for i, row in enumerate(rows):
+        uid = f"sample:{row['prompt_id']}#{i}"
+        items.append(WorkItem(uid=uid, row=row, seq=i, seed=item_seed(seed, uid), lane=SAMPLED))
+    return items
+
+
+def collect_lane(queue, items: list[WorkItem], lane: str, *,
+                 stop: threading.Event | None = None) -> list[RolloutGroup]:
+    """Hand ``items`` (all of ``lane``) to the rollout queue and wait for their groups, in the
+    items' order. Prompts the samplers refuse are dropped (logged); the others are returned."""
+    queue.add(items)
+    n, groups = len(items), []
+    while n > 0:
+        taken = queue.take(lane, n, stop=stop)
+        if taken.groups:
+            groups = taken.groups
+            break
+        n -= taken.shortfall  # refused prompts: evaluate the others
+    for item, reason in queue.drain_events(lane).dropped:
+        log.warning("evaluation prompt dropped", extra={"uid": item.uid, "reason": reason})
+    return groups
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (k <= n)."""
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k: expected 0 < k <= n = {n}, got k = {k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_k_metrics(groups: list[RolloutGroup], accuracy_fn: str | None,
+                      ks: list[int]) -> dict[str, float]:
+    """pass@k for each k (mean over the prompts), the mean accuracy of the samples and the
+    number of samples per prompt."""
+    if not groups:
+        return {}
+    n = min(len(g.completions) for g in groups)
+    out: dict[str, float] = {"samples_per_prompt": float(n), "prompts": float(len(groups))}
+    scores = [[_score(c, accuracy_fn) for c in g.completions[:n]] for g in groups]
+    out["sampled_accuracy"] = float(np.mean(scores))
+    for k in ks:
+        out[f"pass@{k}"] = float(np.mean([pass_at_k(n, sum(s >= 1.0 for s in row), k)
+                                          for row in scores]))
+    return out
+
+
+def _score(completion, accuracy_fn: str | None) -> float:
+    return completion.reward if accuracy_fn is None else completion.rewards.get(accuracy_fn, 0.0)
+
+
 def eval_metrics(groups: list[RolloutGroup], accuracy_fn: str | None,
                  asked: int) -> dict[str, float]:
     """eval/accuracy, eval/reward, eval/count (answered) and eval/dropped (refused prompts)."""
     completions = [g.completions[0] for g in groups]
-    if accuracy_fn is None:
-        scores = [c.reward for c in completions]
-    else:
-        scores = [c.rewards.get(accuracy_fn, 0.0) for c in completions]
+    scores = [_score(c, accuracy_fn) for c in completions]
     return {
         "eval/accuracy": float(np.mean(scores)) if scores else 0.0,
         "eval/reward": float(np.mean([c.reward for c in completions])) if completions else 0.0,
         "eval/count": float(len(groups)),
         "eval/dropped": float(asked - len(groups)),
     }
+
+
+def accuracy_line(summary: dict) -> str | None:
+    """"greedy accuracy on the evaluation prompts: 0.300 -> 0.850 (step 150)" from a run's
+    summary (a resumed run names the step it started from); None without evaluations."""
+    before, after = summary.get("eval_before/accuracy"), summary.get("eval_after/accuracy")
+    text = "greedy accuracy on the evaluation prompts"
+    step = f" (step {int(summary['step'])})" if "step" in summary else ""
+    if before is None:
+        return None if after is None else f"{text}: {after:.3f}{step}"
+    start = int(summary.get("eval_before/step", 0))
+    text += f": {before:.3f}" + (f" (resumed at step {start})" if start else "")
+    return text + (f" -> {after:.3f}{step}" if after is not None else " (not evaluated after)")

@@ -24,14 +24,19 @@ class RefusedSampler(Exception):
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """The architecture and parameter shapes a sampler must serve to take our weights."""
+    """The architecture and parameter shapes a sampler must serve to take our weights; with
+    LoRA also the fingerprint of the base checkpoint it must have loaded (an adapter push is
+    applied to the sampler's own copy of the base)."""
 
     architecture: str
     shapes: Mapping[str, tuple[int, ...]]
+    base_fingerprint: str | None = None
 
     @classmethod
-    def of(cls, architecture: str, params: Mapping[str, np.ndarray]) -> ModelIdentity:
-        return cls(architecture, {n: tuple(int(d) for d in a.shape) for n, a in params.items()})
+    def of(cls, architecture: str, params: Mapping[str, np.ndarray],
+           base_fingerprint: str | None = None) -> ModelIdentity:
+        return cls(architecture, {n: tuple(int(d) for d in a.shape) for n, a in params.items()},
+                   base_fingerprint)
 
     def mismatch(self, info: sampler_pb2.SamplerInfo) -> str | None:
         """Why ``info`` describes another model, or None when it is ours."""
@@ -51,4 +56,14 @@ class ModelIdentity:
             n = shapes[0]
             problems.append(f"{len(shapes)} shapes differ, e.g. {n}: {list(theirs[n])} "
                             f"instead of {list(self.shapes[n])}")
+        if not problems and self.base_fingerprint is not None:
+            theirs = info.base_fingerprint
+            if not theirs:
+                problems.append("it keeps no base checkpoint for LoRA adapter pushes (start it "
+                                "with the run's config: model.lora set)")
+            elif theirs != self.base_fingerprint:
+                problems.append(f"its base checkpoint differs from the trainer's (fingerprint "
+                                f"{theirs[:19]}... instead of {self.base_fingerprint[:19]}...): "
+                                "the LoRA adapters would apply to other weights; start it "
+                                "from the trainer's model.path")
         return "; ".join(problems) or None

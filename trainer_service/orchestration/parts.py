@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from splitrl.config import Config
+from splitrl.models.lora import LoraSpec
 from trainer_service.orchestration.audit import AuditLog
 from trainer_service.orchestration.data import PromptStream
 from trainer_service.orchestration.dispatcher import Dispatcher, sampling_params
@@ -65,9 +66,11 @@ class LeaderParts:
 
 def build_leader_parts(cfg: Config, *, tokenizer, metadata: tuple, run_dir,
                        sync_new_sampler: Callable[[SamplerHandle], None],
-                       identity: ModelIdentity | None = None) -> LeaderParts:
+                       identity: ModelIdentity | None = None,
+                       lora: LoraSpec | None = None) -> LeaderParts:
     """``sync_new_sampler(handle)`` pushes the current weights to a sampler that just joined;
-    ``identity`` is the model samplers must serve (others are refused)."""
+    ``identity`` is the model samplers must serve (others are refused); with ``lora`` pushes
+    carry the adapters, for the base checkpoint ``identity.base_fingerprint``."""
     data = PromptStream.for_run(cfg, tokenizer=tokenizer)  # long prompts handled here
     queue = RolloutQueue(lanes(cfg))
     pool = SamplerPool(cfg.services,
@@ -75,5 +78,6 @@ def build_leader_parts(cfg: Config, *, tokenizer, metadata: tuple, run_dir,
                        on_join=sync_new_sampler, identity=identity)
     dispatcher = Dispatcher(pool, queue, metadata=metadata)
     publisher = WeightPublisher(pool, metadata=metadata, auth=cfg.services.auth,
-                                push=cfg.trainer.push)
+                                push=cfg.trainer.push, lora=lora,
+                                base_fingerprint=identity.base_fingerprint if identity else None)
     return LeaderParts(data, queue, pool, dispatcher, publisher, AuditLog(run_dir))

@@ -46,6 +46,7 @@ class LengthReport:
     too_long: list[tuple[str, int]] = field(default_factory=list)  # (prompt_id, tokens)
     truncated: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    longest: int = 0  # tokens of the longest prompt served (at most `limit`)
 
     def summary(self) -> str:
         return (f"{len(self.too_long)} of {self.rows} {self.split} prompts are longer than "
@@ -101,6 +102,7 @@ def fit_split(rows: Sequence[Row], *, split: str, limit: int, policy: str, count
     for lo in range(0, len(rows), _CHUNK):
         chunk = [rows[i] for i in range(lo, min(lo + _CHUNK, len(rows)))]
         for offset, n in enumerate(count(chunk)):
+            report.longest = max(report.longest, min(n, limit))
             if n > limit:
                 long_rows.append(lo + offset)
                 report.too_long.append((chunk[offset]["prompt_id"], n))

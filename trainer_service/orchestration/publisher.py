@@ -17,6 +17,10 @@ does not need whole. ``trainer.push`` (docs/weight-sync.md) chooses how the byte
   (new, reset, after a failure) gets a full push.
 - **grpc**: ``PushWeights``, for samplers without a data plane (or ``transport: grpc``).
 
+- **adapters** (LoRA runs, ``lora=``): the pushed params are the adapters' factors, sent whole
+  in float32 with ``PushHeader.lora`` naming the rank, alpha, targets and the base checkpoint's
+  fingerprint; each sampler merges them into its own copy of that base (never a delta).
+
 A sampler that answers FAILED_PRECONDITION (it serves a newer version, or another base) is
 pushed again at once as a full reset to exactly our weights. Sampler state changes only through
 the pool (``mark_ready``, ``report_ok``, ``report_failure``, ``weights_unknown``, ``remove``).
@@ -39,8 +43,16 @@ import jax
 
 from splitrl.config import AuthConfig, PushConfig
 from splitrl.dataplane.link import PushLink, status_code
+from splitrl.models.lora import LoraSpec
 from splitrl.v1 import sampler_pb2
-from splitrl.wire import iter_push_frames, iter_push_messages, layouts_from_info, push_header
+from splitrl.wire import (
+    adapter_header,
+    adapter_layouts,
+    iter_push_frames,
+    iter_push_messages,
+    layouts_from_info,
+    push_header,
+)
 from trainer_service.orchestration.delta_base import DeltaBase, dtype_profile
 from trainer_service.orchestration.membership import READY, SUSPECT, SamplerHandle, SamplerPool
 
@@ -62,6 +74,23 @@ class PushResult:
     # Not finished when push_all returned: a straggler (its push goes on in the background)
     # or a sampler still busy with an earlier push (skipped this time).
     background: bool = False
+
+
+def push_metrics(results: list[PushResult]) -> dict[str, float]:
+    """A finished push in numbers: its own time, the bytes the samplers received, what full
+    pushes would have carried, what the trainer sent, and how many samplers failed or were
+    left to finish in the background."""
+    pushed = [r for r in results if r.ok]
+    background = [r for r in results if r.background]
+    return {
+        "push/seconds": max((r.seconds for r in pushed), default=0.0),
+        "push/mb": sum(r.bytes for r in pushed) / 2**20,
+        "push/full_mb": sum(r.full_bytes for r in pushed) / 2**20,
+        "push/egress_mb": sum(r.egress_bytes for r in results) / 2**20,
+        "push/delta": float(sum(r.delta for r in pushed)),
+        "push/failed": float(len(results) - len(pushed) - len(background)),
+        "push/background": float(len(background)),
+    }
 
 
 class PushInFlight:
@@ -97,8 +126,11 @@ def _device_copy(params, dtypes: tuple[tuple[str, str | None], ...]):
 class WeightPublisher:
     def __init__(self, pool: SamplerPool, *, metadata: tuple = (), auth: AuthConfig | None = None,
                  push: PushConfig | None = None, timeout_s: float | None = None,
-                 max_workers: int = 8):
+                 max_workers: int = 8, lora: LoraSpec | None = None,
+                 base_fingerprint: str | None = None):
         self.pool = pool
+        # LoRA: pushes carry the adapters (the params given are the adapters), for this base.
+        self.lora = None if lora is None else adapter_header(lora, base_fingerprint or "")
         self.metadata = metadata
         self.auth = auth
         self.config = push or PushConfig()
@@ -149,16 +181,10 @@ class WeightPublisher:
         results += [PushResult(h.address, version, False, error="an earlier push still runs",
                                background=True) for h in busy]
         self.history.extend(r for r in results if not r.background)
-        ok = [r for r in results if r.ok]
         if results:
             log.info("weights pushed", extra={
-                "version": version, "samplers": len(ok),
-                "failed": sum(not r.ok and not r.background for r in results),
-                "background": sum(r.background for r in results),
-                "mb": round(sum(r.bytes for r in ok) / 2**20, 2),
-                "egress_mb": round(sum(r.egress_bytes for r in results) / 2**20, 2),
-                "seconds": round(max((r.seconds for r in ok), default=0.0), 3),
-                "delta": sum(r.delta for r in ok)})
+                "version": version, "samplers": sum(r.ok for r in results),
+                **{k.split("/", 1)[1]: round(v, 3) for k, v in push_metrics(results).items()}})
         return results
 
     def _collect(self, futures: dict[Future, list[SamplerHandle]], version: int, *,
@@ -237,6 +263,12 @@ class WeightPublisher:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- planning -----------------------------------------------------------------------------
+
+    def _layouts(self, handle: SamplerHandle, params: Mapping) -> dict:
+        """How ``handle`` receives ``params``: its served layout, or whole float32 adapters."""
+        if self.lora is not None:
+            return adapter_layouts(handle.info, params)
+        return layouts_from_info(handle.info)
 
     def _bulk(self, handle: SamplerHandle) -> bool:
         return self.config.transport == "bulk" and bool(handle.info.data_address)
@@ -320,10 +352,10 @@ class WeightPublisher:
         """One relay chain over the data plane; ``(handle, result, relay_failure)`` per hop."""
         start = time.monotonic()
         deadline = start + self.timeout_s
-        layouts = layouts_from_info(chain[0].info)
+        layouts = self._layouts(chain[0], params)
         push_id = self._push_id(chain[0], version)
         base, use_delta = None, False
-        if self.config.delta:
+        if self.config.delta and self.lora is None:
             base = self._bases.setdefault(dtype_profile(layouts), DeltaBase())
             if not base.claim():
                 base = None  # another chain of this profile is reading it: go full
@@ -335,6 +367,8 @@ class WeightPublisher:
                 header = push_header(params, version, target_shardings=layouts,
                                      sender="trainer", reset=reset, push_id=push_id,
                                      base_id=base.push_id if use_delta else "")
+                if self.lora is not None:
+                    header.lora.CopyFrom(self.lora)
             except ValueError as e:  # layouts do not match: a different model
                 return [(h, PushResult(h.address, version, False, error=f"INCOMPATIBLE: {e}",
                                        transport="bulk"), False) for h in chain]
@@ -365,13 +399,15 @@ class WeightPublisher:
     def _push_grpc(self, handle: SamplerHandle, params: Mapping, version: int,
                    reset: bool) -> tuple[SamplerHandle, PushResult, bool]:
         start = time.monotonic()
-        layouts = layouts_from_info(handle.info)
+        layouts = self._layouts(handle, params)
         try:
             messages = iter_push_messages(
                 params, version, max_chunk_bytes=handle.info.max_chunk_bytes,
                 target_shardings=layouts, sender="trainer",
                 push_id=self._push_id(handle, version))
             first = next(messages)  # the header: checks the layouts
+            if self.lora is not None:
+                first.header.lora.CopyFrom(self.lora)
             reply = handle.stub.PushWeights(
                 _with_reset(_chain([first], messages), reset), timeout=self.timeout_s,
                 metadata=self.metadata)

@@ -209,10 +209,19 @@ class RolloutQueue:
         with self._cond:
             return self._pending(lane) + len(self._buffered[lane])
 
-    def drain_events(self) -> Events:
+    def drain_events(self, lane: str | None = None) -> Events:
+        """The events since the last drain (of ``lane`` only, leaving the others')."""
         with self._cond:
-            events, self._events = self._events, Events()
-        return events
+            if lane is None:
+                events, self._events = self._events, Events()
+                return events
+            mine, rest = Events(), Events()
+            for group in self._events.filtered:
+                (mine if group.item.lane == lane else rest).filtered.append(group)
+            for item, reason in self._events.dropped:
+                (mine if item.lane == lane else rest).dropped.append((item, reason))
+            self._events = rest
+            return mine
 
     def close(self) -> None:
         with self._cond:

@@ -7,6 +7,7 @@ them; without it they skip saying how to install it.
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -66,9 +67,25 @@ def test_cpu_plan_predicts_parameter_and_optimizer_bytes_of_a_real_learner(demo_
     assert abs(measured - want) <= 0.10 * measured, (measured, want)
 
 
-def test_plan_exit_codes_say_whether_it_fits(demo_model, capsys):
+@pytest.fixture(scope="module")
+def one_layer_config(tmp_path_factory):
+    """A one-layer Llama-shaped config.json and nothing else (a plan needs no weights): the
+    TPU compiler takes seconds for it, not minutes. Matrix sides are multiples of 128, so
+    TPU tiling pads them little and the compiler's argument sizes are comparable."""
+    path = tmp_path_factory.mktemp("plan") / "config.json"
+    path.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "eos_token_id": 2, "max_position_embeddings": 256}))
+    return path
+
+
+def test_plan_exit_codes_say_whether_it_fits(one_layer_config, capsys):
     args = ["plan", "--platform", "cpu", "--only", "sampler", "--no-search", "--config", DEMO,
-            "--model", str(demo_model), "sampler.mesh.device_fraction=0.25"]
+            "--model", str(one_layer_config), "sampler.mesh.device_fraction=0.25",
+            "sampler.max_batch_size=32"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "sampler: cpu" in out and ": fits" in out and "kv cache" in out
@@ -88,27 +105,27 @@ needs_libtpu = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def tpu_reports(demo_model):
-    """The demo's trainer and sampler on one v5e 2x2 slice split by device fractions: the
-    trainer on chips 0-1 (fsdp), the sampler on chips 2-3 (tensor parallel)."""
+def tpu_reports(one_layer_config):
+    """One v5e 2x2 slice split by device fractions: the trainer on chips 0-1 (fsdp), the
+    sampler on chips 2-3 (tensor parallel); compiled once for every assertion below."""
     cfg = load_config(DEMO, [
-        f"model.path={demo_model}", "trainer.micro_batch_size=32",
-        "trainer.mesh.axes={fsdp: 2}", "trainer.mesh.device_fraction=0.5",
-        "sampler.mesh.device_fraction=0.5", "sampler.mesh.device_offset=2",
-        "sampler.max_batch_size=64"])
+        "trainer.micro_batch_size=32", "trainer.mesh.axes={fsdp: 2}",
+        "trainer.mesh.device_fraction=0.5", "sampler.mesh.device_fraction=0.5",
+        "sampler.mesh.device_offset=2", "sampler.max_batch_size=32"])
     target = tpu_target("v5e:2x2")
-    reports = plan_run(cfg, load_model_config(demo_model),
+    reports = plan_run(cfg, load_model_config(one_layer_config.parent),
                        {"trainer": target, "sampler": target}, search=False)
     return {r.service: r for r in reports}
 
 
 @needs_libtpu
-def test_tpu_train_step_memory_report_counts_the_model_parameters(tpu_reports, demo_model):
+def test_tpu_train_step_memory_report_counts_the_model_parameters(tpu_reports,
+                                                                  one_layer_config):
     r = tpu_reports["trainer"]
     assert r.target.device_kind == "TPU v5 lite" and r.mesh == {"fsdp": 2}
     m = r.measurement
     assert m.fits and {p.name for p in m.programs} == {"grad_step", "apply_update"}
-    total, one_d = _bytes_by_param(load_model_config(demo_model), 4)  # float32
+    total, one_d = _bytes_by_param(load_model_config(one_layer_config.parent), 4)  # float32
     # fsdp over 2 chips halves every matrix; 1-D norm weights stay whole on each chip.
     assert total / 2 <= m.categories["parameters"] <= total / 2 + one_d / 2
     assert m.categories["gradients"] == m.categories["parameters"]
@@ -121,13 +138,21 @@ def test_tpu_train_step_memory_report_counts_the_model_parameters(tpu_reports, d
 
 
 @needs_libtpu
-def test_tpu_decode_memory_report_has_parameters_and_kv_cache(tpu_reports, demo_model):
+def test_tpu_decode_memory_report_has_parameters_and_kv_cache(tpu_reports, one_layer_config):
     r = tpu_reports["sampler"]
     assert r.target.device_kind == "TPU v5 lite" and r.mesh == {"tensor": 2}
     m = r.measurement
-    assert m.fits and [p.name for p in m.programs] == ["generate"]
-    total, one_d = _bytes_by_param(load_model_config(demo_model), 4)
+    assert m.fits and [p.name for p in m.programs] == ["prefill", "admit", "decode"]
+    config = load_model_config(one_layer_config.parent)
+    total, one_d = _bytes_by_param(config, 4)
     assert total / 2 <= m.categories["parameters"] <= total / 2 + one_d / 2
     assert m.categories["push staging"] == m.categories["parameters"]
-    assert m.categories["kv cache"] > 0
+    # The engine's cache at its widest: 32 rows x 32 slots (sampler.max_sequence_length),
+    # keys and values of every layer, KV heads split over the 2 chips.
+    assert m.categories["kv cache"] == (32 * 32 * 2 * config.num_layers * config.num_kv_heads
+                                        * config.head_dim * 4 // 2)
+    decode = next(p for p in m.programs if p.name == "decode")
+    # The compiler's own count of decode's inputs: the weights and the cache (+ row inputs).
+    held = m.categories["parameters"] + m.categories["kv cache"]
+    assert held <= decode.arguments <= 2 * held
     assert m.peak == sum(m.categories.values()) < r.target.hbm_bytes

@@ -1,0 +1,184 @@
+"""The engine's compiled programs: prefill, admit (fill cache rows, draw first tokens), decode.
+
+All three run the model through its own forward (`CausalLM.forward_with`) with an attention
+backend: prefill with `splitrl.models.DenseAttention(keep_kv=True)` (causal over each padded
+prompt, returning every layer's keys/values), decode with `kv_cache.SlotDecodeAttention` (one
+token per row, written in place into the row's cache slot). Weights are an argument
+(``state``), never a closure constant, so one compiled program serves every weight version of
+the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`.
+
+1. `prefill`: prompts packed into rows of W tokens (several short prompts share a row, each
+   attending only to itself, so padding is what the packing leaves, not every prompt's gap
+   to the longest) -> each layer's k/v [B, W, K, Dh] and the hidden states [B, W, D]. A
+   prompt is prefilled once for its n rows.
+2. `admit`: copies each prompt's keys/values into the cache rows of its n completions and
+   draws each row's first token from the logits after the prompt (draw index 0 of its key).
+3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
+   stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
+   refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
+   sample index, admission weight version), so a row's noise never depends on the step at
+   which, or the batch in which, it is decoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from sampler_service import sampling
+from sampler_service.kv_cache import SlotDecodeAttention
+from splitrl.models import DenseAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class RowParams:
+    """Per-row sampling parameters and identity (device arrays, one entry per row)."""
+
+    seeds: jax.Array  # uint32 [R, 2] the prompt's seed
+    sample_ids: jax.Array  # int32 [R] completion index within its prompt
+    versions: jax.Array  # uint32 [R, 2] weight version the row was admitted under
+    temperature: jax.Array  # float32 [R] > 0: of the draws and of the reported logprobs
+    top_k: jax.Array  # int32 [R] (0 = whole vocabulary)
+    top_p: jax.Array  # float32 [R] (1 = off)
+    greedy: jax.Array  # bool [R]
+    max_new: jax.Array  # int32 [R]
+    stop_ids: jax.Array  # int32 [R, S] (-1 = unused)
+
+
+jax.tree_util.register_dataclass(RowParams)
+
+
+def _row_keys(params: RowParams):
+    return sampling.row_keys(params.seeds, params.sample_ids, params.versions)
+
+
+def _draw(logits, params: RowParams, keys, draw_index, plan: sampling.SamplePlan):
+    u = sampling.step_uniforms(keys, draw_index) if plan.sampled else None
+    return sampling.sample_rows(
+        logits, u, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        greedy=params.greedy, plan=plan)
+
+
+def _is_stop(tokens, stop_ids):
+    return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+
+
+class Programs:
+    """`prefill` and `decode` compiled for one model structure.
+
+    Weights are passed as the flat list of the state's leaves (``jax.tree.flatten(state)[0]``,
+    made once per weight version) and the model is rebuilt inside from the static graphdef
+    and tree structure: hashing a graphdef and flattening an `nnx.State` cost milliseconds
+    per call, which a decode segment of a small model cannot afford. Get one with
+    `programs_for`, so engines of the same model share compiled programs.
+    """
+
+    def __init__(self, graphdef, treedef):
+        self.graphdef, self.treedef = graphdef, treedef
+        self.prefill = jax.jit(self._prefill)
+        self.admit = jax.jit(self._admit, static_argnames=("plan", "sharding"),
+                             donate_argnames=("cache",))
+        self.decode = jax.jit(self._decode, static_argnames=("plan", "steps", "sharding"),
+                              donate_argnames=("cache",))
+
+    def model(self, leaves):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+
+    def _prefill(self, leaves, tokens, positions, segments):
+        """Packed prompts: tokens/positions/segments [B, W] (several prompts per row, each a
+        run of one segment id, positions from 0; -1 = padding). Each token attends causally
+        within its own prompt. Returns (((k, v) [B, W, K, Dh] per layer), hidden [B, W, D])."""
+        model = self.model(leaves)
+        slots = jnp.arange(tokens.shape[1])
+        same = segments[:, :, None] == segments[:, None, :]
+        mask = same & (slots[None, :] <= slots[:, None])[None] & (segments >= 0)[:, None, :]
+        h, backend = model.forward_with(tokens, positions, DenseAttention(mask, keep_kv=True))
+        return backend.kv, h
+
+    def _admit(self, leaves, cache, kv, hidden, row_start, row_length, row_slot,
+               params: RowParams, *, plan: sampling.SamplePlan,
+               sharding: NamedSharding | None):
+        """Copies each new row's prompt (``row_length`` [N] tokens from flat packed position
+        ``row_start`` [N] of `prefill`'s output) into cache row ``row_slot`` [N] (a slot past
+        the cache's rows marks a padding entry: dropped), and draws the row's first token
+        from the hidden state after its prompt. Returns (cache, tokens, logprobs, stopped)."""
+        model = self.model(leaves)
+        width = cache[0][0].shape[3]
+        b, w = hidden.shape[:2]
+        # Slot t of a row reads packed position start + t (past the prompt: masked garbage).
+        index = jnp.minimum(row_start[:, None] + jnp.arange(width), b * w - 1)
+        out = []
+        for (k_cache, v_cache), (k, v) in zip(cache, kv, strict=True):
+            k = jnp.take(k.reshape(b * w, *k.shape[2:]), index, axis=0)  # [N, S, K, Dh]
+            v = jnp.take(v.reshape(b * w, *v.shape[2:]), index, axis=0)
+            k_cache = k_cache.at[row_slot].set(k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
+                                               mode="drop")
+            v_cache = v_cache.at[row_slot].set(v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
+                                               mode="drop")
+            if sharding is not None:
+                k_cache = jax.lax.with_sharding_constraint(k_cache, sharding)
+                v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
+            out.append((k_cache, v_cache))
+        last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
+        tokens, logprobs = _draw(model.logits(last), params, _row_keys(params),
+                                 jnp.zeros(row_start.shape, jnp.int32), plan)
+        return tuple(out), tokens, logprobs, _is_stop(tokens, params.stop_ids)
+
+    def _decode(self, leaves, cache, last_token, length, generated, live, params: RowParams,
+                steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
+                sharding: NamedSharding | None):
+        return _decode_loop(self.model(leaves), cache, last_token, length, generated, live,
+                            params, steps_limit, refill_at, plan=plan, steps=steps,
+                            sharding=sharding)
+
+
+@functools.lru_cache(maxsize=8)
+def programs_for(graphdef, treedef) -> Programs:
+    return Programs(graphdef, treedef)
+
+
+def _decode_loop(model, cache, last_token, length, generated, live, params: RowParams,
+                 steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
+                 sharding: NamedSharding | None):
+    """Up to ``min(steps, steps_limit)`` decode steps over every cache row.
+
+    Row r feeds ``last_token[r]`` at position/slot ``length[r]`` (its tokens so far) and, if
+    ``live[r]``, draws its token number ``generated[r]``. A live row stops on a stop id or at
+    ``params.max_new`` tokens. The loop ends early when no row is live or ``refill_at`` rows
+    finished. Returns (cache, tokens [R, steps] (-1 where a row drew nothing), logprobs
+    [R, steps], produced [R] tokens drawn, stopped [R] ended on a stop id).
+    """
+    rows = last_token.shape[0]
+    keys = _row_keys(params)
+
+    def cond(carry):
+        i, _, _, _, _, live, _, _, _, _, finished = carry
+        return (i < steps_limit) & jnp.any(live) & (finished < refill_at)
+
+    def body(carry):
+        i, cache, last, length, generated, live, out_tok, out_lp, produced, stopped, finished = (
+            carry)
+        backend = SlotDecodeAttention(cache, length, sharding)
+        h, backend = model.forward_with(last[:, None], length[:, None], backend)
+        tok, lp = _draw(model.logits(h[:, 0]), params, keys, generated, plan)
+        out_tok = jax.lax.dynamic_update_slice(out_tok, jnp.where(live, tok, -1)[:, None], (0, i))
+        out_lp = jax.lax.dynamic_update_slice(out_lp, jnp.where(live, lp, 0.0)[:, None], (0, i))
+        step = live.astype(jnp.int32)
+        hit_stop = live & _is_stop(tok, params.stop_ids)
+        generated = generated + step
+        ended = live & (hit_stop | (generated >= params.max_new))
+        return (i + 1, backend.cache, jnp.where(live, tok, last), length + step, generated,
+                live & ~ended, out_tok, out_lp, produced + step, stopped | hit_stop,
+                finished + jnp.sum(ended.astype(jnp.int32)))
+
+    carry = (jnp.int32(0), cache, last_token, length, generated, live,
+             jnp.full((rows, steps), -1, jnp.int32), jnp.zeros((rows, steps), jnp.float32),
+             jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), jnp.int32(0))
+    carry = jax.lax.while_loop(cond, body, carry)
+    _, cache, _, _, _, _, out_tok, out_lp, produced, stopped, _ = carry
+    return cache, out_tok, out_lp, produced, stopped

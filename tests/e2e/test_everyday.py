@@ -1,0 +1,169 @@
+"""Everyday use, as a person at a terminal: ``splitrl up`` stopped with Ctrl-C, started again
+with a changed config (refused) and unchanged (resumed, before -> after), trackers and
+per-process Prometheus ports, then ``splitrl export`` of a checkpoint into transformers and
+``splitrl eval`` reproducing the run's own after-accuracy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.e2e.harness import tail, wait_for
+from trainer_service.launcher import demo_config_path
+
+pytestmark = pytest.mark.slow
+
+STEPS = 8
+
+
+class _Command:
+    """``python -m splitrl ARGS`` with its output in files (a progress bar would fill a pipe)."""
+
+    def __init__(self, *args: str):
+        import tempfile
+
+        self.out = tempfile.TemporaryFile("w+")
+        self.err = tempfile.TemporaryFile("w+")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "splitrl", *args], stdout=self.out,
+                                     stderr=self.err, text=True, env=env)
+
+    def finish(self, timeout_s: float = 600) -> tuple[int, str, str]:
+        self.proc.wait(timeout=timeout_s)
+        self.out.seek(0)
+        self.err.seek(0)
+        return self.proc.returncode, self.out.read(), self.err.read()
+
+
+def _splitrl(*args: str) -> _Command:
+    return _Command(*args)
+
+
+def _finish(command: _Command, timeout_s: float = 600) -> tuple[int, str, str]:
+    return command.finish(timeout_s)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if '"loss"' in line]
+
+
+@pytest.fixture(scope="module")
+def run(arith_model, tmp_path_factory):
+    """A run stopped with SIGINT after two steps, refused once, then resumed to the end."""
+    run_dir = tmp_path_factory.mktemp("everyday") / "run"
+    args = ["up", "--config", str(demo_config_path()),
+            f"model.path={arith_model}", f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}",
+            "trainer.checkpoint.every=4", "services.num_samplers=1", "services.metrics_port=0",
+            "trainer.report_to=[tensorboard]", "trainer.completions_every=2"]
+    first = _splitrl(*args)
+    wait_for(lambda: max(_steps(run_dir), default=0) >= 2 or first.proc.poll() is not None,
+             600, "two steps")
+    targets = json.loads((run_dir / "prometheus.json").read_text())
+    scraped = {}
+    for target in targets:  # every process answers on its own port while the run is up
+        with urllib.request.urlopen(f"http://{target['targets'][0]}/metrics", timeout=10) as r:
+            scraped[target["labels"]["instance_name"]] = r.read().decode()
+    first.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
+    interrupted = _finish(first)
+    refused = _finish(_splitrl(*args, "algorithm.loss=gspo", "trainer.optimizer.lr=0.002"), 300)
+    resumed = _finish(_splitrl(*args))
+    return {"dir": run_dir, "interrupted": interrupted, "refused": refused, "resumed": resumed,
+            "scraped": scraped}
+
+
+def test_ctrl_c_exits_0_saying_where_it_stopped_and_how_to_continue(run):
+    code, out, err = run["interrupted"]
+    assert code == 0, err + tail(run["dir"] / "logs" / "trainer.log")
+    summary_line = next(line for line in out.splitlines() if line.startswith("stopped at step"))
+    step = int(summary_line.split()[3])
+    assert 2 <= step < STEPS
+    assert f"of {STEPS}; checkpoint in {run['dir']}. To continue from there: splitrl up " in (
+        summary_line)
+    assert "exited with code" not in err and "failed" not in err
+
+
+def test_a_changed_config_refuses_to_resume_and_names_the_keys(run):
+    code, out, err = run["refused"]
+    assert code == 2
+    assert "will not resume:" in err and "of a run with a different config:" in err
+    assert "  algorithm.loss: 'grpo' -> 'gspo'" in err
+    assert "  trainer.optimizer.lr: 0.001 -> 0.002" in err
+    assert "--resume force" in err
+    assert "starting the reward service" not in out  # refused before any service started
+
+
+def test_the_resumed_run_finishes_and_prints_its_start_and_final_accuracy(run):
+    code, out, err = run["resumed"]
+    assert code == 0, err
+    summary = json.loads((run["dir"] / "summary.json").read_text())
+    start = int(summary["resumed_from"])
+    assert summary["state"] == "done" and summary["step"] == STEPS and 2 <= start < STEPS
+    assert (f"greedy accuracy on the evaluation prompts: {summary['eval_before/accuracy']:.3f} "
+            f"(resumed at step {start}) -> {summary['eval_after/accuracy']:.3f} (step {STEPS})"
+            ) in out
+    trained = sorted(_steps(run["dir"]))
+    assert trained == sorted(set(trained)) and trained[-1] == STEPS  # no step trained twice
+    assert "trainer: training from step" in out  # the phase lines
+
+
+def test_trackers_and_prometheus_ports_of_a_real_run(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scraped = run["scraped"]
+    assert set(scraped) == {"reward", "sampler-0", "trainer"}
+    assert "splitrl_trainer_step" in scraped["trainer"]
+    reader = EventAccumulator(str(run["dir"] / "tensorboard"),
+                              size_guidance={"scalars": 0, "tensors": 0})
+    reader.Reload()
+    assert [e.step for e in reader.Scalars("loss")] == list(range(1, STEPS + 1))
+    assert reader.Scalars("reward/exact_answer/mean")
+    assert {e.step for e in reader.Tensors("completions/text_summary")} >= {STEPS}
+
+
+def test_export_of_a_checkpoint_loads_in_transformers(run, tmp_path):
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    mid = tmp_path / "step-4"
+    code, out, err = _finish(_splitrl("export", str(run["dir"] / "checkpoints" / "4"), str(mid)))
+    assert code == 0 and "exported the policy of step 4" in out, err
+    model = AutoModelForCausalLM.from_pretrained(mid)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 5, 6]])).logits
+    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
+    last = tmp_path / "last"
+    code, _, err = _finish(_splitrl("export", str(run["dir"]), str(last)))
+    assert code == 0, err
+    [exported] = list(last.glob("*.safetensors"))
+    [in_run] = list((run["dir"] / "export").glob("*.safetensors"))
+    a, b = load_file(exported), load_file(in_run)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    [step4] = list(mid.glob("*.safetensors"))
+    assert not all(np.array_equal(v, a[k]) for k, v in load_file(step4).items())
+
+
+def test_eval_reproduces_the_runs_after_accuracy_and_prints_pass_at_k(run, tmp_path):
+    code, out, err = _finish(_splitrl("eval", str(run["dir"] / "export"),
+                                      "services.num_samplers=1", "--k", "1,4",
+                                      "--out", str(tmp_path)))
+    assert code == 0, err
+    summary = json.loads((run["dir"] / "summary.json").read_text())
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["eval/accuracy"] == summary["eval_after/accuracy"]
+    assert result["eval/count"] == summary["eval_after/count"]
+    assert f"greedy accuracy: {summary['eval_after/accuracy']:.3f} on 25 prompts" in out
+    assert "pass@k from 4 samples per prompt" in out and "pass@4" in out
+    assert 0 <= result["eval/pass@1"] <= result["eval/pass@4"] <= 1

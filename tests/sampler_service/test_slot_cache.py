@@ -1,0 +1,87 @@
+"""SlotCache: bucketed shapes, the budget arithmetic, resizes that carry rows, and the
+decode attention backend against a dense reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sampler_service.kv_cache import (
+    CacheShape,
+    SlotCache,
+    SlotDecodeAttention,
+    bucket_rows,
+    bucket_width,
+)
+from splitrl.config import MeshConfig
+from splitrl.mesh import build_mesh
+from splitrl.models import TransformerConfig, dense_attend
+
+CONFIG = TransformerConfig(family="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                           attention_bias=True)
+BYTES_PER_TOKEN = 2 * 2 * 2 * 8 * 4  # k and v, 2 layers, 2 kv heads, head_dim 8, float32
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return build_mesh(MeshConfig(axes={"tensor": 1}), jax.devices()[:1])
+
+
+def test_buckets_are_powers_of_two_within_their_caps():
+    assert [bucket_rows(n, 48) for n in (0, 1, 3, 5, 33, 48)] == [1, 1, 4, 8, 48, 48]
+    assert [bucket_width(n, 200) for n in (1, 32, 33, 100, 129, 200)] == [32, 32, 64, 128, 200,
+                                                                          200]
+
+
+def test_budget_counts_the_array_held_twice_during_a_resize(mesh):
+    # 4 rows x 32 slots = 32 KiB of cache, + 1 of its 4 arrays while a resize copies it.
+    cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=40960, max_rows=8, max_width=32)
+    assert cache.bytes_per_token == BYTES_PER_TOKEN
+    assert cache.fits(4, 32) and not cache.fits(5, 32)
+    assert cache.fits(8, 16) is False  # widths below 32 still take a 32-slot row
+    assert cache.guaranteed_rows() == 4
+    assert SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=40959, max_rows=8,
+                     max_width=32).guaranteed_rows() == 2
+
+
+def test_resize_moves_rows_and_keeps_their_slots(mesh):
+    cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=1 << 20, max_rows=8, max_width=128)
+    cache.resize(CacheShape(4, 32), np.full(4, -1))
+    assert cache.allocated_bytes == 4 * 32 * BYTES_PER_TOKEN
+    k, v = cache.arrays[1]
+    marked_k = k.at[2].set(jnp.arange(2 * 8 * 32, dtype=jnp.float32).reshape(2, 8, 32))
+    marked_v = v.at[2].set(7.0)
+    cache.arrays = (cache.arrays[0], (marked_k, marked_v))
+    cache.resize(CacheShape(2, 64), np.array([2, -1]))  # old row 2 becomes row 0, wider
+    k, v = cache.arrays[1]
+    assert k.shape == (2, 2, 8, 64) and v.shape == (2, 2, 64, 8)
+    np.testing.assert_array_equal(k[0, :, :, :32], marked_k[2])
+    np.testing.assert_array_equal(v[0, :, :32], 7.0)
+    assert cache.allocated_bytes == 2 * 64 * BYTES_PER_TOKEN
+    # Peak: the old cache plus one new array (shrinking rows, doubling width: same size).
+    assert cache.peak_bytes == 4 * 32 * BYTES_PER_TOKEN + 2 * 64 * BYTES_PER_TOKEN // 4
+
+
+def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(mesh):
+    rng = np.random.default_rng(0)
+    rows, width, heads, kv_heads, dh = 3, 32, 4, 2, 8
+    k_cache = jnp.asarray(rng.standard_normal((rows, kv_heads, dh, width)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((rows, kv_heads, width, dh)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((rows, 1, heads, dh)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((rows, 1, kv_heads, dh)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((rows, 1, kv_heads, dh)), jnp.float32)
+    write = jnp.array([0, 5, 31], jnp.int32)
+    backend = SlotDecodeAttention(((k_cache, v_cache),), write)
+    out, backend = jax.jit(lambda b, q, k, v: b.attend(0, q, k, v))(backend, q, k, v)
+    new_k, new_v = backend.cache[0]
+    for r in range(rows):
+        w = int(write[r])
+        np.testing.assert_array_equal(new_k[r, :, :, w], k[r, 0])
+        np.testing.assert_array_equal(new_v[r, :, w], v[r, 0])
+        keys = new_k[r].transpose(2, 0, 1)[None, : w + 1]  # [1, S, K, Dh]
+        values = new_v[r].transpose(1, 0, 2)[None, : w + 1]
+        ref = dense_attend(q[r:r + 1], keys, values, jnp.ones((1, 1, w + 1), bool))
+        np.testing.assert_allclose(out[r], ref[0], atol=1e-5)

@@ -1,0 +1,57 @@
+"""Evaluation helpers: the unbiased pass@k, pass@k over groups, and the before -> after line."""
+
+import pytest
+
+from trainer_service.orchestration.evaluation import (
+    accuracy_line,
+    pass_at_k,
+    pass_at_k_metrics,
+    sampled_items,
+)
+from trainer_service.orchestration.rollouts import Completion, RolloutGroup, WorkItem
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    # 1 - C(n - c, k) / C(n, k), by hand.
+    assert pass_at_k(4, 1, 1) == pytest.approx(1 - 3 / 4)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)
+    assert pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 3, 2) == 1.0  # fewer wrong samples than k: some draw is right
+    with pytest.raises(ValueError, match="expected 0 < k <= n = 4, got k = 5"):
+        pass_at_k(4, 1, 5)
+
+
+def _group(scores):
+    completions = [Completion([1], [0.0], s, {"acc": s}, "stop") for s in scores]
+    return RolloutGroup(WorkItem("u", {}), [1], completions, 0, "s")
+
+
+def test_pass_at_k_metrics_average_over_prompts_and_count_full_marks_only():
+    groups = [_group([1.0, 0.0, 0.0, 0.0]), _group([0.5, 0.0, 0.0, 0.0]), _group([1.0] * 4)]
+    metrics = pass_at_k_metrics(groups, "acc", [1, 2])
+    assert metrics["pass@1"] == pytest.approx((0.25 + 0.0 + 1.0) / 3)
+    assert metrics["pass@2"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)
+    assert metrics["sampled_accuracy"] == pytest.approx((1 + 0.5 + 4) / 12)
+    assert metrics["samples_per_prompt"] == 4 and metrics["prompts"] == 3
+
+
+def test_sampled_items_have_seeds_that_depend_on_the_seed_and_uid_only():
+    rows = [{"prompt_id": "a"}, {"prompt_id": "b"}]
+    first, again, other = sampled_items(rows, 0), sampled_items(rows, 0), sampled_items(rows, 1)
+    assert [i.seed for i in first] == [i.seed for i in again]
+    assert first[0].seed != first[1].seed and first[0].seed != other[0].seed
+    assert {i.lane for i in first} == {"sampled"}
+
+
+def test_the_accuracy_line_names_where_a_resumed_run_started():
+    assert accuracy_line({"eval_before/accuracy": 0.25, "eval_after/accuracy": 0.875,
+                          "step": 150.0}) == (
+        "greedy accuracy on the evaluation prompts: 0.250 -> 0.875 (step 150)")
+    assert accuracy_line({"eval_before/accuracy": 0.5, "eval_before/step": 50.0,
+                          "eval_after/accuracy": 0.9, "step": 100.0}) == (
+        "greedy accuracy on the evaluation prompts: 0.500 (resumed at step 50) -> 0.900 "
+        "(step 100)")
+    assert accuracy_line({"eval_after/accuracy": 0.9, "step": 150.0}) == (
+        "greedy accuracy on the evaluation prompts: 0.900 (step 150)")  # a finished run re-run
+    assert accuracy_line({"step": 3.0}) is None
