@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from splitrl.mesh import TENSOR_AXIS
 from splitrl.models import TransformerConfig
-from splitrl.models.attention import MASK_VALUE
+from splitrl.models.attention import slot_attend
 
 MIN_WIDTH = 32  # smallest cache width (slots)
 
@@ -194,27 +194,6 @@ def _relayout(array, sources, *, width, axis, sharding):
 
 
 # ------------------------------------------------------------------------- decode attention
-
-
-def slot_attend(q, k_cache, v_cache, length):
-    """One query per row against its cache row.
-
-    q [R,H,Dh]; k_cache [R,K,Dh,S], v_cache [R,K,S,Dh]; slots < length[r] are visible.
-    Broadcast-multiply-reduce instead of dot_general: the products are batches of tiny
-    ([G, Dh] x [Dh, S]) matrices, for which XLA CPU's dot kernels are ~2x slower than one
-    vectorised loop fusion streaming the cache.
-    """
-    r, h, dh = q.shape
-    kh = k_cache.shape[1]
-    f32 = jnp.float32
-    qf = (q.astype(f32) * dh ** -0.5).reshape(r, kh, h // kh, dh, 1)
-    s = jnp.sum(qf * k_cache.astype(f32)[:, :, None], axis=-2)  # [R, K, G, S]
-    visible = jnp.arange(k_cache.shape[3]) < length[:, None, None, None]
-    s = jnp.where(visible, s, MASK_VALUE)
-    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    out = jnp.sum(e[..., None] * v_cache.astype(f32)[:, :, None], axis=-2)  # [R, K, G, Dh]
-    out = out / jnp.sum(e, axis=-1)[..., None]
-    return out.reshape(r, h, dh).astype(q.dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -95,6 +95,30 @@ def topology_name(name: str) -> str:
                     f"an accelerator type such as v5p-8, v5litepod-4 or v6e-8")
 
 
+# GKE's `cloud.google.com/gke-tpu-accelerator` node label -> the topology's generation.
+GKE_ACCELERATORS = {
+    "tpu-v4-podslice": "v4",
+    "tpu-v5-lite-podslice": "v5e",
+    "tpu-v5-lite-device": "v5e",
+    "tpu-v5p-slice": "v5p",
+    "tpu-v6e-slice": "v6e",
+}
+
+
+def gke_topology(node_selector: dict) -> str:
+    """The topology a GKE pod's nodeSelector asks for, e.g. ``{"cloud.google.com/gke-tpu-
+    accelerator": "tpu-v5-lite-podslice", "cloud.google.com/gke-tpu-topology": "2x2"}`` ->
+    ``v5e:2x2`` (the slice, not the host: a multi-host Job's pods together compile one program
+    over all of its chips)."""
+    accelerator = node_selector.get("cloud.google.com/gke-tpu-accelerator")
+    shape = node_selector.get("cloud.google.com/gke-tpu-topology")
+    if accelerator not in GKE_ACCELERATORS or not shape:
+        raise PlanError(f"nodeSelector {node_selector!r}: expected "
+                        f"cloud.google.com/gke-tpu-accelerator (one of "
+                        f"{sorted(GKE_ACCELERATORS)}) and cloud.google.com/gke-tpu-topology")
+    return topology_name(f"{GKE_ACCELERATORS[accelerator]}:{shape}")
+
+
 def slice_shape(chips: int, *, three_d: bool) -> str:
     """The standard slice shape of `chips` chips: 2-D (v5e, v6e: 2x2, 2x4, 4x4, ...) or 3-D
     (v4, v5p: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...); smallest dimension doubles first."""
