@@ -101,7 +101,7 @@ def format_report(r: ServiceReport) -> str:
         if r.largest is None:
             lines.append(f"  largest that fits: none (not even {r.first_failing} {r.unit})")
         else:
-            above = ("" if r.first_failing is None
+            above = (" (the search's limit: more was not tried)" if r.first_failing is None
                      else f"; {r.first_failing} {r.unit} do not")
             lines.append(f"  largest that fits: {r.largest_shape}, peak "
                          f"{r.largest.peak / GIB:.2f} GiB{above}")
