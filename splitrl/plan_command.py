@@ -26,11 +26,17 @@ def add_parser(sub) -> None:
                    "mesh.device_fraction / device_offset of it), e.g. v5p:2x2x2 or v5p-16")
     p.add_argument("--trainer-topology", help="the trainer's slice, e.g. v5p:2x2x1 or v5p-8")
     p.add_argument("--sampler-topology", help="one sampler's slice, e.g. v5e:2x2")
+    p.add_argument("--cpu-devices", type=int, default=8,
+                   help="with --platform cpu: how many CPU devices to emulate (default 8)")
     p.add_argument("--hbm-gib", type=float, help="memory per device (default: the chip's HBM; "
                    "on cpu: the host's RAM shared by the devices)")
     p.add_argument("--only", choices=["trainer", "sampler"], help="plan one service")
     p.add_argument("--no-search", action="store_true",
                    help="compile the configured batch only (no search for the largest)")
+    p.add_argument("--extrapolate-layers", action="store_true",
+                   help="compile the model cut to 1 and to 2 layers and extrapolate linearly "
+                   "to its depth: minutes instead of hours for 70B (parameters, optimizer "
+                   "state, gradients, KV cache exact; temporaries approximate)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")
     p.add_argument("--config", help="YAML run config (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -76,7 +82,21 @@ def _targets(args) -> dict:
     return {s: made[named[s]] for s in services}
 
 
+def _jax_environment(args) -> None:
+    """Before jax starts: a plan runs nothing on an accelerator (TPU programs are compiled by
+    libtpu's compile-only client), so the runtime is the CPU; --platform cpu emulates
+    --cpu-devices of it."""
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if args.platform == "cpu" and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+
+
 def run(args: argparse.Namespace) -> int:
+    _jax_environment(args)
     from splitrl.config import load_config
     from splitrl.planning import PlanError, format_reports, libtpu_installed, plan_run
     from splitrl.planning.targets import LIBTPU_MISSING
@@ -84,11 +104,16 @@ def run(args: argparse.Namespace) -> int:
     if args.platform == "tpu" and not libtpu_installed():
         print(f"splitrl plan: {LIBTPU_MISSING}", file=sys.stderr)
         return 2
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.model:  # the run's model.path is the checkpoint planned
+        path = Path(args.model)
+        overrides.append(f"model.path={path.parent if path.suffix == '.json' else path}")
+    cfg = load_config(args.config, overrides)
     try:
         model_config = _model_config(args, cfg)
         targets = _targets(args)
-        reports = plan_run(cfg, model_config, targets, search=not args.no_search)
+        reports = plan_run(cfg, model_config, targets, search=not args.no_search,
+                           extrapolate_layers=args.extrapolate_layers)
     except (PlanError, _PlanError) as e:
         print(f"splitrl plan: {e}", file=sys.stderr)
         return 2

@@ -67,13 +67,56 @@ def plan_service(planner, *, search: bool) -> ServiceReport:
 
 
 def plan_run(cfg: Config, model_config: TransformerConfig, targets: dict[str, Target], *,
-             search: bool = True) -> list[ServiceReport]:
-    """One report per service in `targets` ("trainer", "sampler")."""
+             search: bool = True, extrapolate_layers: bool = False) -> list[ServiceReport]:
+    """One report per service in `targets` ("trainer", "sampler"); with `extrapolate_layers`
+    from compiles of one and two of the model's layers (`LayerExtrapolation`)."""
     from splitrl.planning.services import SamplerPlanner, TrainerPlanner
 
     planners = {"trainer": TrainerPlanner, "sampler": SamplerPlanner}
-    return [plan_service(planners[name](cfg, model_config, target), search=search)
-            for name, target in targets.items()]
+    reports = []
+    for name, target in targets.items():
+        make = lambda config, kind=planners[name], target=target: kind(cfg, config, target)
+        planner = (LayerExtrapolation(make, model_config) if extrapolate_layers
+                   else make(model_config))
+        reports.append(plan_service(planner, search=search))
+    return reports
+
+
+class LayerExtrapolation:
+    """A planner for a deep model from compiles of the same model cut to one and to two
+    layers, extrapolated linearly to its depth (`splitrl plan --extrapolate-layers`).
+
+    The model's forward unrolls its layers, so compile time grows with the depth (an 80-layer
+    70B train step takes the TPU compiler hours on a small host); two compiles of one and two
+    layers take minutes. Every category is linear in the number of layers: parameters,
+    optimizer state, gradients and KV cache exactly (embeddings + L x a layer's), temporaries
+    approximately (each layer keeps its activations for the backward pass; XLA may schedule
+    the full program differently, e.g. rematerialise to fit, so the full compile stays the
+    reference). Shapes, shardings and the searched batch are the full model's.
+    """
+
+    def __init__(self, make, model_config: TransformerConfig):
+        self.full = make(model_config)
+        self.layers = model_config.num_layers
+        self.parts = [make(dataclasses.replace(model_config, num_layers=n)) for n in (1, 2)]
+        for name in ("service", "unit", "target", "mesh", "rows", "step", "limit"):
+            setattr(self, name, getattr(self.full, name))
+
+    def describe(self, rows: int) -> str:
+        return (f"{self.full.describe(rows)}; {self.layers} layers extrapolated from compiles "
+                f"of 1 and 2")
+
+    def measure(self, rows: int) -> Measurement:
+        one, two = (part.measure(rows) for part in self.parts)
+        programs = [dataclasses.replace(p, name=f"{p.name}[{n} layer{'s' * (n > 1)}]")
+                    for n, m in ((1, one), (2, two)) for p in m.programs]
+        capacity = self.target.hbm_bytes
+        if one.error or two.error:
+            return Measurement(rows, {}, programs, capacity, error=one.error or two.error)
+        per_layer = {k: two.categories[k] - one.categories[k] for k in two.categories}
+        categories = {k: max(0, one.categories[k] + per_layer[k] * (self.layers - 1))
+                      for k in two.categories}
+        return Measurement(rows, categories, programs, capacity)
 
 
 def _gib(n: int | None) -> str:

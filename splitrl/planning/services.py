@@ -82,6 +82,8 @@ class TrainerPlanner:
                 "batch": math.ceil(self.batch / rows) * rows * per_row // ways,
                 "temporaries": max(p.transient for p in programs.values()),
             }
+            if learner.base_params is not None:  # LoRA: "parameters" are the adapters
+                out["base parameters"] = shard_bytes(learner.base_params)
             if learner.ref_params is not None:
                 out["reference parameters"] = shard_bytes(learner.ref_params)
             return out

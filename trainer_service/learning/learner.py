@@ -197,10 +197,12 @@ class Learner:
         if cfg.model.lora is not None:
             from splitrl.models.hf_io import checkpoint_fingerprint
 
+            base = hf_from_state(nnx.state(model, nnx.Param))
             lora, adapters = lora_lib.from_section(
-                cfg.model.lora, model.config, seed=cfg.trainer.seed,
-                base=hf_from_state(nnx.state(model, nnx.Param)))
-            fingerprint = checkpoint_fingerprint(cfg.model.path)
+                cfg.model.lora, model.config, seed=cfg.trainer.seed, base=base)
+            if not all(isinstance(v, jax.ShapeDtypeStruct) for v in base.values()):
+                # (an abstract model, for `splitrl plan`, has no weights to fingerprint)
+                fingerprint = checkpoint_fingerprint(cfg.model.path)
         return cls(
             model,
             algorithm=cfg.algorithm,

@@ -156,3 +156,21 @@ def test_tpu_decode_memory_report_has_parameters_and_kv_cache(tpu_reports, one_l
     held = m.categories["parameters"] + m.categories["kv cache"]
     assert held <= decode.arguments <= 2 * held
     assert m.peak == sum(m.categories.values()) < r.target.hbm_bytes
+
+
+@pytest.mark.slow  # three CPU compiles of the train step (~30 s)
+def test_layer_extrapolation_matches_the_full_compile(one_layer_config, tmp_path):
+    """--extrapolate-layers (compiles of 1 and 2 layers) against the 4-layer model compiled
+    whole: the sharding-derived bytes agree exactly, XLA's temporaries within 10%."""
+    config = json.loads(one_layer_config.read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    cfg = load_config(DEMO, ["trainer.mesh.device_fraction=0.5"])
+    model_config = load_model_config(tmp_path)
+    [full] = plan_run(cfg, model_config, {"trainer": cpu_target()}, search=False)
+    [extrapolated] = plan_run(cfg, model_config, {"trainer": cpu_target()}, search=False,
+                              extrapolate_layers=True)
+    full, extrapolated = full.measurement.categories, extrapolated.measurement.categories
+    assert full.keys() == extrapolated.keys()
+    for name in ("parameters", "optimizer state", "gradients", "batch"):
+        assert extrapolated[name] == full[name], name
+    assert abs(extrapolated["temporaries"] - full["temporaries"]) <= 0.10 * full["temporaries"]
