@@ -76,6 +76,11 @@ class OutOfMemory(Exception):
 def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
     """Compiles `lowered`; raises OutOfMemory when the compiler finds it cannot fit."""
     start = time.perf_counter()
+    # Never through the persistent compilation cache: a TPU executable from libtpu's
+    # compile-only client can be written there but not read back ("PjRtCompiler must be
+    # constructed with a Client"), and a plan's executables are never run anyway.
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         compiled = lowered.compile()
     except Exception as e:  # XlaRuntimeError; its type moved between jax versions
@@ -86,6 +91,8 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
         needed = int(float(used.group(1)) * _UNITS[used.group(2)]) if used else None
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         raise OutOfMemory(f"{name}: {first[:300]}", needed) from e
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     return ProgramMemory(

@@ -65,31 +65,35 @@ class TrainerPlanner:
                 f"micro-batch{'es' if n > 1 else ''}), {self.dtype.name}, "
                 f"strategy {self.strategy}")
 
-    def measure(self, rows: int) -> Measurement:
+    def held(self, rows: int) -> dict[str, int]:
+        """Bytes per device the trainer keeps between programs (from the arrays' shardings,
+        no compile): parameters, optimizer state, gradient accumulator, the step's batch."""
         learner = self.learner
         params = shard_bytes(learner.params)
+        ways = self.step if rows % self.step == 0 else 1
+        # Per micro-batch: tokens int32, two bool masks, sampler logprobs f32, advantages;
+        # kept for the step: pi_old logprobs (and reference logprobs when beta > 0).
+        per_row = self.length * (4 + 1 + 1 + 4) + 4 + (self.length - 1) * 4 * (
+            2 if self.beta > 0 else 1)
+        out = {
+            "parameters": params,
+            "optimizer state": shard_bytes(learner.opt_state),
+            "gradients": params,  # the accumulator: same shapes and shardings
+            "batch": math.ceil(self.batch / rows) * rows * per_row // ways,
+        }
+        if learner.base_params is not None:  # LoRA: "parameters" are the adapters
+            out["base parameters"] = shard_bytes(learner.base_params)
+        if learner.ref_params is not None:
+            out["reference parameters"] = shard_bytes(learner.ref_params)
+        return out
 
+    def measure(self, rows: int) -> Measurement:
         def categories(programs):
-            ways = self.step if rows % self.step == 0 else 1
-            # Per micro-batch: tokens int32, two bool masks, sampler logprobs f32, advantages;
-            # kept for the step: pi_old logprobs (and reference logprobs when beta > 0).
-            per_row = self.length * (4 + 1 + 1 + 4) + 4 + (self.length - 1) * 4 * (
-                2 if self.beta > 0 else 1)
-            out = {
-                "parameters": params,
-                "optimizer state": shard_bytes(learner.opt_state),
-                "gradients": params,  # the accumulator: same shapes and shardings
-                "batch": math.ceil(self.batch / rows) * rows * per_row // ways,
-                "temporaries": max(p.transient for p in programs.values()),
-            }
-            if learner.base_params is not None:  # LoRA: "parameters" are the adapters
-                out["base parameters"] = shard_bytes(learner.base_params)
-            if learner.ref_params is not None:
-                out["reference parameters"] = shard_bytes(learner.ref_params)
-            return out
+            return {**self.held(rows),
+                    "temporaries": max(p.transient for p in programs.values())}
 
         return _measure(rows, self.target.hbm_bytes,
-                        learner.lower_train_step(rows, self.length), categories)
+                        self.learner.lower_train_step(rows, self.length), categories)
 
 
 class SamplerPlanner:
