@@ -46,11 +46,25 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # liveness probe that queues behind 50 rollouts gets the pod restarted).
 LIGHT_METHODS = frozenset({
     "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/List",
     "/splitrl.v1.Sampler/GetInfo",
     "/splitrl.v1.Trainer/Status",
     "/splitrl.v1.Reward/ListRewardFunctions",
 })
 RESERVED_WORKERS = 4  # threads only LIGHT_METHODS may use
+
+
+class _HealthServicer(health.HealthServicer):
+    """grpcio-health's servicer, plus ``List`` (grpc.health.v1 added it in 2024; the package
+    answers it with UNIMPLEMENTED and a logged traceback): a snapshot of every registered
+    service's status, what ``grpcurl ... grpc.health.v1.Health/List`` shows an operator."""
+
+    def List(self, request, context):  # noqa: N802 (the gRPC method's name)
+        with self._lock:
+            statuses = dict(self._server_status)
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in statuses.items()})
 
 
 def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -306,7 +320,7 @@ def start_server(
         maximum_concurrent_rpcs=None,
     )
     register(server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = _HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     creds = server_credentials(auth)
     port = (
