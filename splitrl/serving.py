@@ -37,6 +37,7 @@ from splitrl.auth import (  # noqa: F401  (auth_metadata, resolve_token: re-expo
 )
 from splitrl.config import AuthConfig
 from splitrl.retry import SERVICE_CONFIG
+from splitrl.wire_error import WireError
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +170,6 @@ def _checked_stream(messages, bad: list):
     answers a WireError with its status and logs it in one line."""
     for i, message in enumerate(messages):
         if isinstance(message, _Undecodable):
-            from splitrl.wire import WireError
-
             where = f"message #{i} of the request stream"
             bad[:] = [message, where]
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT, message.describe(where))
