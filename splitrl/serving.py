@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -359,6 +360,34 @@ def serve_until_signal(server: Server, grace_s: float = 10.0) -> None:
             signal.signal(sig, handler)
     server.stop(grace_s)
     log.info("server stopped")
+
+
+LAUNCHER_PID_ENV = "SPLITRL_LAUNCHER_PID"
+
+
+def stop_with_launcher(poll_s: float = 1.0, hard_exit_after_s: float = 120.0) -> bool:
+    """When ``SPLITRL_LAUNCHER_PID`` names this process's parent (``splitrl up`` sets it for
+    the services it starts), SIGTERM this process once that parent is gone, so a launcher
+    killed with -9 (or a CI runner's timeout) leaves no sampler, trainer or reward service
+    behind holding ports and CPU. SIGTERM takes each service's graceful path (the trainer
+    checkpoints); if that has not ended the process ``hard_exit_after_s`` later, it exits.
+    Polls ``getppid`` rather than ``prctl(PR_SET_PDEATHSIG)``: the same on Linux and macOS, and
+    safe with the launcher's threads. Returns whether the watch started."""
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not expected.isdigit() or int(expected) != os.getppid():
+        return False  # started by hand, by compose or by Kubernetes: nothing to follow
+
+    def watch() -> None:
+        while os.getppid() == int(expected):
+            threading.Event().wait(poll_s)
+        log.warning("the launcher that started this service is gone; stopping",
+                    extra={"launcher_pid": int(expected)})
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(hard_exit_after_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    return True
 
 
 class _CallDetails(
