@@ -88,3 +88,21 @@ def test_search_stops_at_the_limit_when_everything_fits():
     measure = _linear(0, 1, 10**9, calls)
     found, failing = largest_fitting(measure, measure(16), 4, 64)
     assert found.rows == 64 and failing is None
+
+
+@pytest.mark.parametrize("accelerator, shape, expected", [
+    ("tpu-v5-lite-podslice", "2x2", "v5e:2x2"), ("tpu-v5-lite-podslice", "4x4", "v5e:4x4"),
+    ("tpu-v5p-slice", "2x2x1", "v5p:2x2x1"), ("tpu-v6e-slice", "2x4", "v6e:2x4"),
+])
+def test_gke_node_selectors_name_their_slice(accelerator, shape, expected):
+    from splitrl.planning.targets import gke_topology
+
+    assert gke_topology({"cloud.google.com/gke-tpu-accelerator": accelerator,
+                         "cloud.google.com/gke-tpu-topology": shape}) == expected
+
+
+def test_a_node_selector_without_a_tpu_is_refused_by_its_labels():
+    from splitrl.planning.targets import gke_topology
+
+    with pytest.raises(PlanError, match="gke-tpu-accelerator"):
+        gke_topology({"cloud.google.com/gke-nodepool": "default"})
