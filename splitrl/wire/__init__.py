@@ -76,6 +76,7 @@ from splitrl.wire._layout import (
     layouts_from_info,
     plan_regions,
     sender_blocks,
+    target_blocks,
 )
 from splitrl.wire._sender import (
     BaseBlocks,
@@ -102,4 +103,5 @@ __all__ = [
     "iter_region_chunks", "iter_region_frames", "iter_tensor_chunks", "iter_tensor_frames",
     "layout_from_sharding", "layouts_from_info", "model_fingerprint", "numpy_dtype",
     "plan_regions", "push_header", "sender_blocks", "sparse_apply", "sparse_encode",
+    "target_blocks",
 ]
