@@ -1,14 +1,14 @@
 """The sender's side of a push: a header, then every parameter's regions in bounded chunks.
 
 A chunk is produced as a *frame*: the ``TensorChunk`` fields without the bytes, plus the bytes
-as a ``memoryview`` (zero-copy out of the host copy of one shard). The gRPC transport puts the
-bytes into ``TensorChunk.data``; the bulk data plane sends them after the frame.
+as a ``memoryview`` (zero-copy out of the host copy of one shard, or of the buffer a receiver
+block is gathered in: valid until the next frame is drawn). The gRPC transport puts the bytes
+into ``TensorChunk.data``; the bulk data plane sends them after the frame.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -90,11 +90,13 @@ def iter_tensor_frames(
     target: TargetLayout | None = None,
     base: BaseBlocks | None = None,
     sink: BlockSink | None = None,
+    gather: GatherBuffers | None = None,
 ) -> Iterator[Frame]:
     """All frames of one parameter: each of the receiver's blocks as one region, its bytes
     gathered from the sender's shards (each cast to the receiver's dtype once), so that every
     chunk lands contiguous in the receiver's block. ``target`` None: each sender shard is
-    one region. ``base``/``sink``: see :func:`iter_push_frames`."""
+    one region. ``base``/``sink``: see :func:`iter_push_frames`; ``gather``: the buffers to
+    gather in (a push passes the same ones for every tensor)."""
     shape = tuple(int(d) for d in array.shape)
     cast = numpy_dtype(target.dtype) if target is not None and target.dtype else None
     shards = []
@@ -116,9 +118,10 @@ def iter_tensor_frames(
                 sink(name, block.bounds, host, fresh)
     if target is None:
         return
+    gather = gather or GatherBuffers()
     for region in target_blocks(shape, target):
         yield from _block_frames(name, region, shards, shape=shape, version=version,
-                                 max_chunk_bytes=max_chunk_bytes)
+                                 max_chunk_bytes=max_chunk_bytes, gather=gather)
     if sink is not None:  # after the tensor's chunks: the bases may be overwritten now
         for shard in shards:
             sink(name, shard.bounds, shard.host, shard.fresh)
@@ -141,20 +144,21 @@ def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-_gather = threading.local()  # per sending thread: slabs of a block are gathered here
+class GatherBuffers:
+    """The buffers one push gathers slabs of receiver blocks in (the new bytes and, for a
+    delta, the base's), reused from slab to slab: fresh ones would cost page faults."""
 
+    def __init__(self) -> None:
+        self._buffers = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
 
-def _gather_buffer(nbytes: int, which: int) -> np.ndarray:
-    buffers = getattr(_gather, "buffers", None)
-    if buffers is None:
-        buffers = _gather.buffers = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
-    if len(buffers[which]) < nbytes:
-        buffers[which] = np.empty(nbytes, np.uint8)
-    return buffers[which][:nbytes]
+    def get(self, nbytes: int, which: int) -> np.ndarray:
+        if len(self._buffers[which]) < nbytes:
+            self._buffers[which] = np.empty(nbytes, np.uint8)
+        return self._buffers[which][:nbytes]
 
 
 def _block_frames(name: str, region: Bounds, shards: Sequence[_Shard], *, shape, version: int,
-                  max_chunk_bytes: int) -> Iterator[Frame]:
+                  max_chunk_bytes: int, gather: GatherBuffers) -> Iterator[Frame]:
     """The frames of one receiver block ``region`` (C order), from the shards overlapping it.
 
     Inside one shard where that is contiguous (rows of a row-split shard), straight from the
@@ -200,9 +204,9 @@ def _block_frames(name: str, region: Bounds, shards: Sequence[_Shard], *, shape,
     for first in range(0, extents[0], rows):
         count = min(rows, extents[0] - first)
         slab = ((region[0][0] + first, region[0][0] + first + count), *region[1:])
-        new = _gather_buffer(count * row_bytes, 0)
+        new = gather.get(count * row_bytes, 0)
         out = new.view(dtype).reshape(count, *extents[1:])
-        old = _gather_buffer(count * row_bytes, 1) if delta else None
+        old = gather.get(count * row_bytes, 1) if delta else None
         for part, shard in parts:
             piece = _overlap(slab, part)
             if piece is None:
@@ -283,11 +287,12 @@ def iter_push_frames(
     sent. Lazy: tensors are read one shard at a time as the stream is consumed.
     """
     check_targets(flat_params, target_shardings)
+    gather = GatherBuffers()
     for name in sorted(flat_params):
         target = target_shardings[name] if target_shardings is not None else None
         yield from iter_tensor_frames(name, flat_params[name], version=version,
                                       max_chunk_bytes=max_chunk_bytes, target=target,
-                                      base=base, sink=sink)
+                                      base=base, sink=sink, gather=gather)
 
 
 def _with_data(frames: Iterator[Frame]) -> Iterator[tensor_pb2.TensorChunk]:
