@@ -51,6 +51,9 @@ def _call(target: str) -> Callable:
 
 def _service(target: str) -> Callable[[argparse.Namespace], int | None]:
     def run(args: argparse.Namespace) -> int | None:
+        from splitrl.serving import stop_with_launcher
+
+        stop_with_launcher()
         return _call(target)(_config(args))
 
     return run

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from splitrl.auth import (  # noqa: F401  (auth_metadata, resolve_token: re-expo
 )
 from splitrl.config import AuthConfig
 from splitrl.retry import SERVICE_CONFIG
+from splitrl.wire_error import WireError
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +48,25 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # liveness probe that queues behind 50 rollouts gets the pod restarted).
 LIGHT_METHODS = frozenset({
     "/grpc.health.v1.Health/Check",
+    "/grpc.health.v1.Health/List",
     "/splitrl.v1.Sampler/GetInfo",
     "/splitrl.v1.Trainer/Status",
     "/splitrl.v1.Reward/ListRewardFunctions",
 })
 RESERVED_WORKERS = 4  # threads only LIGHT_METHODS may use
+
+
+class _HealthServicer(health.HealthServicer):
+    """grpcio-health's servicer, plus ``List`` (grpc.health.v1 added it in 2024; the package
+    answers it with UNIMPLEMENTED and a logged traceback): a snapshot of every registered
+    service's status, what ``grpcurl ... grpc.health.v1.Health/List`` shows an operator."""
+
+    def List(self, request, context):  # noqa: N802 (the gRPC method's name)
+        with self._lock:
+            statuses = dict(self._server_status)
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in statuses.items()})
 
 
 def grpc_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -155,8 +171,6 @@ def _checked_stream(messages, bad: list):
     answers a WireError with its status and logs it in one line."""
     for i, message in enumerate(messages):
         if isinstance(message, _Undecodable):
-            from splitrl.wire import WireError
-
             where = f"message #{i} of the request stream"
             bad[:] = [message, where]
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT, message.describe(where))
@@ -306,7 +320,7 @@ def start_server(
         maximum_concurrent_rpcs=None,
     )
     register(server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = _HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     creds = server_credentials(auth)
     port = (
@@ -346,6 +360,34 @@ def serve_until_signal(server: Server, grace_s: float = 10.0) -> None:
             signal.signal(sig, handler)
     server.stop(grace_s)
     log.info("server stopped")
+
+
+LAUNCHER_PID_ENV = "SPLITRL_LAUNCHER_PID"
+
+
+def stop_with_launcher(poll_s: float = 1.0, hard_exit_after_s: float = 120.0) -> bool:
+    """When ``SPLITRL_LAUNCHER_PID`` names this process's parent (``splitrl up`` sets it for
+    the services it starts), SIGTERM this process once that parent is gone, so a launcher
+    killed with -9 (or a CI runner's timeout) leaves no sampler, trainer or reward service
+    behind holding ports and CPU. SIGTERM takes each service's graceful path (the trainer
+    checkpoints); if that has not ended the process ``hard_exit_after_s`` later, it exits.
+    Polls ``getppid`` rather than ``prctl(PR_SET_PDEATHSIG)``: the same on Linux and macOS, and
+    safe with the launcher's threads. Returns whether the watch started."""
+    expected = os.environ.get(LAUNCHER_PID_ENV, "")
+    if not expected.isdigit() or int(expected) != os.getppid():
+        return False  # started by hand, by compose or by Kubernetes: nothing to follow
+
+    def watch() -> None:
+        while os.getppid() == int(expected):
+            threading.Event().wait(poll_s)
+        log.warning("the launcher that started this service is gone; stopping",
+                    extra={"launcher_pid": int(expected)})
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(hard_exit_after_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    return True
 
 
 class _CallDetails(

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from splitrl.config import Config, MeshConfig, dump_config
 from splitrl.retry import wait_until
-from splitrl.serving import check_health, make_channel
+from splitrl.serving import LAUNCHER_PID_ENV, check_health, make_channel
 from trainer_service.orchestration.evaluation import accuracy_line
 from trainer_service.service_logs import LogFollower, error_lines
 
@@ -87,6 +87,7 @@ class Launcher:
                        str(Path.home() / ".cache" / "splitrl" / "xla"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
         env["PYTHONUNBUFFERED"] = "1"
+        env[LAUNCHER_PID_ENV] = str(os.getpid())  # services stop when this process is gone
         return env
 
     def start(self, name: str, command: str, overrides: list[str], devices: int = 1):

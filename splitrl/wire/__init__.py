@@ -55,7 +55,6 @@ from splitrl.wire._adapters import (
 from splitrl.wire._assembler import ChunkAssembler, assemble
 from splitrl.wire._core import (
     FLOAT_DTYPES,
-    WireError,
     array_digest,
     byte_view,
     checksum,
@@ -97,6 +96,7 @@ from splitrl.wire._sender import (
     push_header,
 )
 from splitrl.wire._staging import StagingPool
+from splitrl.wire_error import WireError
 
 __all__ = [
     "ADAPTER_DTYPE", "adapter_header", "adapter_layouts", "spec_from_header",

@@ -15,8 +15,8 @@ import grpc
 from splitrl.models.config import TransformerConfig
 from splitrl.models.lora import LoraSpec
 from splitrl.v1 import sampler_pb2
-from splitrl.wire._core import WireError
 from splitrl.wire._layout import TargetLayout
+from splitrl.wire_error import WireError
 
 ADAPTER_DTYPE = "float32"
 

@@ -13,7 +13,6 @@ import numpy as np
 
 from splitrl.v1 import tensor_pb2
 from splitrl.wire._core import (
-    WireError,
     aligned_empty,
     byte_view,
     checksum,
@@ -22,6 +21,7 @@ from splitrl.wire._core import (
 )
 from splitrl.wire._delta import BITMAP, delta_apply
 from splitrl.wire._layout import Bounds
+from splitrl.wire_error import WireError
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
 _RAW, _SPARSE = tensor_pb2.TensorChunk.RAW, tensor_pb2.TensorChunk.SPARSE

@@ -9,7 +9,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 import crc32c as _crc32c
-import grpc
 import ml_dtypes
 import numpy as np
 
@@ -22,18 +21,6 @@ _DTYPES: dict[str, np.dtype] = {
 }
 _DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
-
-
-class WireError(Exception):
-    """A push violates the wire contract; ``code`` is the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"{self.code.name}: {self.message}"
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,14 +19,14 @@ from trainer_service.orchestration.audit import audit_run
 pytestmark = pytest.mark.slow
 
 SEED = 20261125
-STEPS, PER_STEP, EVERY = 60, 8, 5
+STEPS, PER_STEP, EVERY = 36, 8, 5
 
 
 def schedule(seed: int) -> list[tuple[int, str]]:
-    """(step to wait for, victim) in order: two kills per sampler slot, two of the reward
+    """(step to wait for, victim) in order: one kill per sampler slot, two of the reward
     service, two of the trainer, shuffled by the seed, one every few steps."""
     rng = random.Random(seed)
-    victims = ["sampler-0", "sampler-1", "sampler-2"] * 2 + ["reward"] * 2 + ["trainer"] * 2
+    victims = ["sampler-0", "sampler-1", "sampler-2"] + ["reward"] * 2 + ["trainer"] * 2
     rng.shuffle(victims)
     steps = sorted(rng.sample(range(3, STEPS - 8), len(victims)))
     return list(zip(steps, victims, strict=True))
@@ -77,7 +77,7 @@ def test_kills_and_restarts_of_every_service_lose_nothing(arith_model, tmp_path)
     kills = Counter(victim.split("-")[0] for _, victim, _ in done)
     print(f"\nchaos (seed {SEED}): kills {dict(kills)} at steps "
           f"{[(seen, v) for _, v, seen in done]}; " + "; ".join(report.lines()))
-    assert kills == {"sampler": 6, "reward": 2, "trainer": 2}
+    assert kills == {"sampler": 3, "reward": 2, "trainer": 2}
     assert report.steps == list(range(1, STEPS + 1))
     assert report.ok, report.lines()
     assert report.trained == STEPS * PER_STEP

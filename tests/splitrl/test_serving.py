@@ -141,8 +141,6 @@ def test_graceful_stop_marks_not_serving():
     assert not check_health(server.address, timeout_s=0.5)
 
 
-
-
 def test_busy_calls_cannot_starve_health_checks():
     # 50 long calls against a server of 12 threads: 8 run, the rest are refused at once with
     # RESOURCE_EXHAUSTED, and a health check still answers (it used to queue behind them).
@@ -245,3 +243,18 @@ def test_an_undecodable_request_is_invalid_argument_in_one_log_line(caplog):
     assert [r.getMessage() for r in lines] == ["undecodable request refused"] * 2, lines
     assert not any(r.exc_info for r in lines)
     assert {r.method for r in lines} == {"/test.Typed/Unary", "/test.Typed/ServerStream"}
+
+
+def test_health_list_names_every_service_with_its_status():
+    server = start_server(_register, "127.0.0.1:0", service_names=[SERVICE])
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            serving = stub.List(health_pb2.HealthListRequest(), timeout=5).statuses
+            server.set_serving(False)
+            stopped = stub.List(health_pb2.HealthListRequest(), timeout=5).statuses
+    finally:
+        server.stop(0)
+    assert serving[SERVICE].status == health_pb2.HealthCheckResponse.SERVING
+    assert serving[""].status == health_pb2.HealthCheckResponse.SERVING
+    assert stopped[SERVICE].status == health_pb2.HealthCheckResponse.NOT_SERVING

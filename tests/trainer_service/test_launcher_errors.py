@@ -4,6 +4,10 @@ service that exits with its last error lines, error log lines as they are writte
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -94,3 +98,42 @@ def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(model_dir, 
     assert "reward exited with code 2" in captured.err
     assert "cannot import module 'my_rewardz': ModuleNotFoundError" in captured.err
     assert not (tmp_path / "run" / "logs" / "trainer.log").exists()  # no trainer was started
+
+
+LAUNCHER_THEN_SLEEP = """
+import sys, time
+from splitrl.config import load_config
+from trainer_service import launcher
+cfg = load_config(launcher.demo_config_path(), sys.argv[1:])
+up = launcher.Launcher(cfg)
+up.start("reward", "reward", [])
+up.wait_healthy("reward", up.reward_address)
+print(up.procs["reward"].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_services_stop_when_their_launcher_is_killed(model_dir, tmp_path):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_THEN_SLEEP, f"model.path={model_dir}",
+         f"trainer.run_dir={tmp_path / 'run'}"], stdout=subprocess.PIPE, text=True)
+    try:
+        reward_pid = int(parent.stdout.readline())
+        os.kill(reward_pid, 0)  # running
+        parent.kill()  # kill -9: no cleanup in the launcher
+        parent.wait()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                os.kill(reward_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            os.kill(reward_pid, signal.SIGKILL)
+            pytest.fail("the reward service outlived its launcher by 120 s")
+    finally:
+        parent.kill()
+    log = (tmp_path / "run" / "logs" / "reward.log").read_text()
+    assert "the launcher that started this service is gone; stopping" in log
+    assert "server stopped" in log  # the graceful path, not the hard exit
