@@ -6,16 +6,21 @@ transport carries it (gRPC ``PushWeights`` or the bulk data plane, ``splitrl.dat
 is pure: no network calls, no global state.
 
 Sender (:func:`push_header`, :func:`iter_push_frames`; :func:`iter_push_messages` for gRPC)
-    A header, then for every parameter the *regions* the receiver's layout needs. A region is
-    the intersection of one of the sender's own shards with one of the receiver's device blocks
-    (from ``GetInfo``: each parameter's partition strings and the mesh's axis sizes). So:
+    A header, then for every parameter the *regions* the receiver's layout needs: each of the
+    receiver's device blocks (from ``GetInfo``: each parameter's partition strings and the
+    mesh's axis sizes) is one region. So:
 
-    - the sender never gathers a tensor: it copies one shard at a time to the host
-      (``np.asarray(shard.data)``, zero-copy for CPU devices), casts it to the receiver's dtype
-      once, and slices regions out of it;
-    - every region lies inside exactly one receiver block, so a receiver could route each region
-      straight to the device (or host) that owns that block without reassembling the tensor;
+    - the sender never gathers a whole tensor: it copies each shard to the host
+      (``np.asarray(shard.data)``, zero-copy for CPU devices) and casts it to the receiver's
+      dtype once; a region inside one shard where it is contiguous there goes straight from
+      that memory, any other is gathered from the shards a slab of whole rows (at most one
+      chunk) at a time into a reused buffer (the payload of a frame is valid until the next
+      frame is drawn);
+    - every chunk is one contiguous run of one receiver block, so a receiver can land it in
+      place (and route each region straight to the device that owns that block);
     - replicas are sent once (shards with ``replica_id == 0``).
+
+    Without the receiver's layout each sender shard is one region.
 
     With the blocks of the weights the receiver serves (``base``), a chunk goes as a delta (only
     the elements that changed: SPARSE or BITMAP, see ``_delta.py``) when that is smaller. Byte
@@ -75,6 +80,7 @@ from splitrl.wire._layout import (
     layouts_from_info,
     plan_regions,
     sender_blocks,
+    target_blocks,
 )
 from splitrl.wire._sender import (
     BaseBlocks,
@@ -102,4 +108,5 @@ __all__ = [
     "iter_region_chunks", "iter_region_frames", "iter_tensor_chunks", "iter_tensor_frames",
     "layout_from_sharding", "layouts_from_info", "model_fingerprint", "numpy_dtype",
     "plan_regions", "push_header", "sender_blocks", "sparse_apply", "sparse_encode",
+    "target_blocks",
 ]

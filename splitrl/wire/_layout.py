@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,6 +113,17 @@ def sender_blocks(array) -> list[SenderBlock]:
             "a multi-host sender must push from a process that holds every region")
     return [SenderBlock(bounds, lambda s=shard: np.asarray(s.data))
             for bounds, shard in sorted(blocks.items())]
+
+
+@functools.lru_cache(maxsize=4096)
+def target_blocks(shape: tuple[int, ...], target: TargetLayout) -> tuple[Bounds, ...]:
+    """The receiver's blocks of a tensor of ``shape`` (each once, replicas aside), in C order
+    of the block grid. Cached: every push of a run asks for the same ones."""
+    per_dim = []
+    for size, n in zip(shape, target.blocks_per_dim(shape), strict=True):
+        step = size // n
+        per_dim.append([(i * step, (i + 1) * step) for i in range(n)])
+    return tuple(tuple(b) for b in product(*per_dim))
 
 
 def plan_regions(block: Bounds, shape: Sequence[int], target: TargetLayout | None) -> list[Bounds]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import threading
@@ -38,6 +39,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._owners: dict[int, list[np.ndarray]] = {}  # nbytes -> owning uint8 arrays
         self._taken: Counter[int] = Counter()  # since the last trim
+        self._collected = False  # the young-generation collection ran since the last trim
         self.reused = 0  # buffers handed out again (for metrics and tests)
         self.allocated = 0
 
@@ -49,10 +51,22 @@ class StagingPool:
         with self._lock:
             self._taken[nbytes] += 1
             owners = self._owners.setdefault(nbytes, [])
-            for raw in owners:
-                if sys.getrefcount(raw) == _FREE_REFS:
-                    self.reused += 1
-                    return _view(raw, nbytes, shape, dtype)
+            for attempt in range(2):
+                for i in range(len(owners)):
+                    raw = owners[i]
+                    if sys.getrefcount(raw) == _FREE_REFS:
+                        # Taken ones go last, so the next scan meets a free one first
+                        # (constant time per take where scanning them all was quadratic).
+                        owners.append(owners.pop(i))
+                        self.reused += 1
+                        return _view(raw, nbytes, shape, dtype)
+                    del raw
+                if attempt or self._collected or not owners:
+                    break
+                # jax hands back the host buffers of deleted device arrays (XLA:CPU aliases
+                # them) only in its garbage-collection callback: run it, once per push.
+                self._collected = True
+                gc.collect(0)
             raw = np.empty(nbytes + ALIGNMENT, np.uint8)
             owners.append(raw)
             self.allocated += 1
@@ -81,6 +95,7 @@ class StagingPool:
                 if not owners:
                     del self._owners[nbytes]
             self._taken.clear()
+            self._collected = False
 
     @property
     def nbytes(self) -> int:

@@ -247,7 +247,7 @@ def test_staging_buffers_are_reused_but_never_under_weights_a_generation_still_h
         store, config):
     pushed, held = {}, None
     for version in range(1, 7):
-        gc.collect()  # retired states are often cyclic garbage (nnx flat-state views)
+        gc.collect()  # a held version must survive collections too
         params = _new_params(config, seed=version)
         store.apply_push(iter(_messages(params, version)))
         pushed[version] = params
@@ -261,3 +261,22 @@ def test_staging_buffers_are_reused_but_never_under_weights_a_generation_still_h
     assert store.digests() == {n: wire.array_digest(a) for n, a in pushed[6].items()}
     # At most one spare set besides the served and the held weights.
     assert store.staging.nbytes <= 3 * sum(a.nbytes for a in pushed[6].values()) + 3 * MAX_CHUNK
+
+
+def test_staging_buffers_come_back_without_a_full_garbage_collection(store, config):
+    """Reading the served weights (GetInfo's digests, a delta's base) must leave no reference
+    cycle holding them, and jax's deferred release of the host buffers its device arrays
+    aliased must run: else every push takes fresh pages (a page fault per page)."""
+    gc.collect()
+    gc.disable()
+    try:
+        sizes = []
+        for version in range(1, 6):
+            store.apply_push(iter(_messages(_new_params(config, seed=version), version)))
+            store.param_infos(include_digests=True)
+            sizes.append(store.staging.allocated)
+    finally:
+        gc.enable()
+    # Two sets (the served one and the next push's), then every push reuses the retired one.
+    assert sizes[2:] == [sizes[1]] * 3 and sizes[1] == 2 * sizes[0]
+    assert store.staging.reused >= 3 * sizes[0]

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import grpc
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from splitrl import wire
 from splitrl.wire import ChunkAssembler, TargetLayout, WireError
@@ -97,6 +100,57 @@ def test_plan_regions_intersects_sender_shards_with_receiver_blocks():
     # A column shard crosses every row block.
     regions = wire.plan_regions(((0, 16), (2, 4)), (16, 4), target)
     assert regions == [((0, 4), (2, 4)), ((4, 8), (2, 4)), ((8, 12), (2, 4)), ((12, 16), (2, 4))]
+
+
+@pytest.mark.parametrize(("sender", "receiver"), [
+    (("fsdp", None), ("", "tensor")),  # row shards into column blocks (q/k/v/gate/up)
+    ((None, "fsdp"), ("tensor", "")),  # column shards into row blocks (o/down, embeddings)
+    (("fsdp", None), ("tensor", "")),  # row shards into row blocks
+])
+def test_the_sender_gathers_each_receiver_block_so_every_chunk_lands_in_place(sender, receiver):
+    mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    shape = (16, 24)
+    layout = TargetLayout(receiver, (("tensor", 2),), "bfloat16", shape)
+    blocks = [tuple(b) for b in wire.target_blocks(shape, layout)]
+
+    def push(version, params, base=None):
+        """Frames of ``params`` received as the sampler does (reserve/commit; deltas by add),
+        into buffers from ``allocate``: which records what the receiver had to allocate."""
+        sharded = jax.device_put(params, NamedSharding(mesh, P(*sender)))
+        allocated = []
+
+        def allocate(shape, dtype):
+            allocated.append(tuple(shape))
+            return np.empty(shape, dtype)
+
+        assembler = ChunkAssembler({"w": ("bfloat16", shape)}, version=version,
+                                   max_chunk_bytes=100, blocks={"w": blocks},
+                                   allocate=allocate,
+                                   base=None if base is None else (lambda _: base))
+        kept = {}
+        frames = wire.iter_push_frames(
+            {"w": sharded}, version, max_chunk_bytes=100, target_shardings={"w": layout},
+            base=None if base is None else (lambda n, b: kept_before.get(b)),
+            sink=lambda n, b, host, fresh: kept.__setitem__(b, np.array(host)))
+        for chunk, payload in frames:
+            if chunk.encoding == chunk.RAW:
+                assembler.reserve(chunk, len(payload))[:] = payload
+                assembler.commit()
+            else:
+                assembler.add(chunk, payload)
+        assembler.finish()
+        return assembler.pop("w"), allocated, kept
+
+    first = rng.standard_normal(shape).astype(np.float32)
+    got, allocated, kept_before = push(1, first)
+    _assert_bitwise_equal(got, first.astype(ml_dtypes.bfloat16))
+    # Only the receiver's own blocks: no scratch buffer for a chunk out of place.
+    assert sorted(allocated) == sorted(tuple(b - a for a, b in bounds) for bounds in blocks)
+    second = first.copy()
+    second[::3, ::5] += 1  # a delta against what the receiver serves
+    got, allocated, _ = push(2, second, base=first.astype(ml_dtypes.bfloat16))
+    _assert_bitwise_equal(got, second.astype(ml_dtypes.bfloat16))
 
 
 def _error(params, chunks, header=None, max_chunk_bytes=40) -> WireError:

@@ -3,7 +3,7 @@
 A delta chunk is computed against the bytes a sampler serves, so the trainer keeps those bytes:
 one host copy of every sender block as last pushed, per *dtype profile* (the dtypes a sampler
 serves, e.g. all bfloat16), named by the push id the samplers that took it now serve. A push
-that reads a base overwrites it block by block as it goes (after each block's chunks are sent),
+that reads a base overwrites it block by block as it goes (after each tensor's chunks are sent),
 so memory stays at one copy and, after the first push, nothing is allocated; a push that stops
 half-way leaves the base invalid (the next one is full).
 """

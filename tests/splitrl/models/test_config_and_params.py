@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 
 import jax.numpy as jnp
@@ -94,6 +95,20 @@ def test_state_round_trips_through_hf_names(tiny_config):
         np.testing.assert_array_equal(v, flat[k])
     torch_layout = models.hf_state_dict(model)
     assert torch_layout["lm_head.weight"].shape == (97, 32)  # HF [out, in]
+
+
+def test_a_flat_view_of_a_state_leaves_no_garbage_holding_its_arrays(tiny_config):
+    """A sampler reads its served state flat often; a reference cycle per read would keep
+    retired weights (and the staging buffers they alias) alive until a full collection."""
+    state = nnx.state(models.init_random(tiny_config))
+    gc.collect()
+    gc.disable()
+    try:
+        flat = models.hf_from_state(state)
+        del flat
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 def test_state_from_hf_rejects_bad_names_and_shapes(tiny_config):
