@@ -76,9 +76,12 @@ class OutOfMemory(Exception):
 def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
     """Compiles `lowered`; raises OutOfMemory when the compiler finds it cannot fit."""
     start = time.perf_counter()
-    # Never through the persistent compilation cache: a TPU executable from libtpu's
+    # Not through the persistent compilation cache: a TPU executable from libtpu's
     # compile-only client can be written there but not read back ("PjRtCompiler must be
-    # constructed with a Client"), and a plan's executables are never run anyway.
+    # constructed with a Client"), and a plan's executables are never run anyway. jax decides
+    # once per process whether the cache is used, so this holds where the plan compiles first
+    # (`splitrl plan`); in a process that compiled with the cache before (a test session) jax
+    # warns on such an entry and compiles.
     cached = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     try:
