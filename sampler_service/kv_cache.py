@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from splitrl.mesh import TENSOR_AXIS
 from splitrl.models import TransformerConfig
-from splitrl.models.attention import MASK_VALUE
+from splitrl.models.attention import slot_attend
 
 MIN_WIDTH = 32  # smallest cache width (slots)
 
@@ -150,16 +150,30 @@ class SlotCache:
         self.shape, self.arrays = shape, tuple(out)
         self._account(self.shape_bytes(shape))
 
+    def abstract_arrays(self, shape: CacheShape) -> tuple:
+        """The arrays of a cache of ``shape`` as sharded ShapeDtypeStructs (for lowering the
+        programs ahead of time: nothing is allocated)."""
+        sharding = self.sharding(shape.rows)
+        return tuple(tuple(jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding)
+                           for s in _array_shapes(self, shape))
+                     for _ in range(self.config.num_layers))
+
     def release(self) -> None:
         """Drop the arrays (after a failed program, or when idle)."""
         self.shape, self.arrays = None, None
         self._account(0)
 
 
+def _array_shapes(cache: SlotCache, shape: CacheShape) -> tuple[tuple, tuple]:
+    """One layer's keys [R, K, Dh, S] and values [R, K, S, Dh]."""
+    c = cache.config
+    return ((shape.rows, c.num_kv_heads, c.head_dim, shape.width),
+            (shape.rows, c.num_kv_heads, shape.width, c.head_dim))
+
+
 def _zeros(cache: SlotCache, shape: CacheShape) -> tuple:
     c = cache.config
-    k_shape = (shape.rows, c.num_kv_heads, c.head_dim, shape.width)
-    v_shape = (shape.rows, c.num_kv_heads, shape.width, c.head_dim)
+    k_shape, v_shape = _array_shapes(cache, shape)
     sharding = cache.sharding(shape.rows)
     make = jax.jit(lambda: tuple((jnp.zeros(k_shape, cache.dtype), jnp.zeros(v_shape, cache.dtype))
                                  for _ in range(c.num_layers)), out_shardings=sharding)
@@ -180,27 +194,6 @@ def _relayout(array, sources, *, width, axis, sharding):
 
 
 # ------------------------------------------------------------------------- decode attention
-
-
-def slot_attend(q, k_cache, v_cache, length):
-    """One query per row against its cache row.
-
-    q [R,H,Dh]; k_cache [R,K,Dh,S], v_cache [R,K,S,Dh]; slots < length[r] are visible.
-    Broadcast-multiply-reduce instead of dot_general: the products are batches of tiny
-    ([G, Dh] x [Dh, S]) matrices, for which XLA CPU's dot kernels are ~2x slower than one
-    vectorised loop fusion streaming the cache.
-    """
-    r, h, dh = q.shape
-    kh = k_cache.shape[1]
-    f32 = jnp.float32
-    qf = (q.astype(f32) * dh ** -0.5).reshape(r, kh, h // kh, dh, 1)
-    s = jnp.sum(qf * k_cache.astype(f32)[:, :, None], axis=-2)  # [R, K, G, S]
-    visible = jnp.arange(k_cache.shape[3]) < length[:, None, None, None]
-    s = jnp.where(visible, s, MASK_VALUE)
-    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    out = jnp.sum(e[..., None] * v_cache.astype(f32)[:, :, None], axis=-2)  # [R, K, G, Dh]
-    out = out / jnp.sum(e, axis=-1)[..., None]
-    return out.reshape(r, h, dh).astype(q.dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -36,6 +36,7 @@ import time
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sampler_service import _programs
 from sampler_service._inputs import pack_prompts, pow2, row_params
@@ -346,25 +347,14 @@ class Scheduler:
 
     def _prefill_and_admit(self, admitted: list[_Group]) -> None:
         """One packed prefill of the admitted prompts, then their rows' first tokens."""
-        prompts = [g.request.prompts[g.index] for g in admitted]
-        tokens, positions, segments, starts = pack_prompts(
-            prompts, self.cache.max_width, self.pad_token_id)
-        rows = [row for group in admitted for row in group.rows]
-        n = pow2(len(rows))
-        row_start = np.zeros(n, np.int32)
-        row_length = np.ones(n, np.int32)
-        row_slot = np.full(n, self.cache.shape.rows, np.int32)  # padding entries: dropped
-        j = 0
-        for i, group in enumerate(admitted):
-            for row in group.rows:
-                row_start[j], row_length[j], row_slot[j] = starts[i], prompts[i].size, row.slot
-                j += 1
-        params, plan = row_params(rows, n, self.vocab_size)
+        prompts, rows, prefill_args, admit_args, plan = self._prefill_inputs(admitted)
+        tokens = prefill_args[0]
         programs = self.weights.programs
-        kv, hidden = programs.prefill(self.weights.leaves, tokens, positions, segments)
+        kv, hidden = programs.prefill(self.weights.leaves, *prefill_args)
         self.cache.arrays, tok, lp, stopped = programs.admit(
-            self.weights.leaves, self.cache.arrays, kv, hidden, row_start, row_length, row_slot,
-            params, plan=plan, sharding=self.cache.sharding(self.cache.shape.rows))
+            self.weights.leaves, self.cache.arrays, kv, hidden, *admit_args,
+            plan=plan, sharding=self.cache.sharding(self.cache.shape.rows))
+        params = admit_args[-1]
         tok, lp, stopped = jax.device_get((tok, lp, stopped))
         for j, row in enumerate(rows):
             row.length = row.prompt_len
@@ -381,8 +371,28 @@ class Scheduler:
             st["prefill_padded_tokens"] += tokens.size
             st["tokens_generated"] += len(rows)
             self._programs_seen(("prefill", tokens.shape),
-                                ("admit", self.cache.shape, tokens.shape, n, plan,
+                                ("admit", self.cache.shape, tokens.shape, len(rows), plan,
                                  params.stop_ids.shape))
+
+    def _prefill_inputs(self, admitted: list[_Group]):
+        """(prompts, rows, prefill's host arguments, admit's host arguments after the cache,
+        kv and hidden states, the rows' `SamplePlan`) of one packed prefill of ``admitted``."""
+        prompts = [g.request.prompts[g.index] for g in admitted]
+        tokens, positions, segments, starts = pack_prompts(
+            prompts, self.cache.max_width, self.pad_token_id)
+        rows = [row for group in admitted for row in group.rows]
+        n = pow2(len(rows))  # admitted rows, padded: fewer admit programs
+        row_start = np.zeros(n, np.int32)
+        row_length = np.ones(n, np.int32)
+        row_slot = np.full(n, self.cache.shape.rows, np.int32)  # padding entries: dropped
+        j = 0
+        for i, group in enumerate(admitted):
+            for row in group.rows:
+                row_start[j], row_length[j], row_slot[j] = starts[i], prompts[i].size, row.slot
+                j += 1
+        params, plan = row_params(rows, n, self.vocab_size)
+        return (prompts, rows, (tokens, positions, segments),
+                (row_start, row_length, row_slot, params), plan)
 
     # ------------------------------------------------------------------ decode
 
@@ -408,24 +418,11 @@ class Scheduler:
 
     def _decode(self) -> None:
         shape = self.cache.shape
-        order = [self.rows.get(slot) for slot in range(shape.rows)]
-        present = [row for row in order if row is not None]
-        params, plan = row_params([r or present[0] for r in order], shape.rows,
-                                  self.vocab_size)
-        last = np.zeros(shape.rows, np.int32)
-        length = np.zeros(shape.rows, np.int32)
-        generated = np.zeros(shape.rows, np.int32)
-        live = np.zeros(shape.rows, bool)
-        for slot, row in enumerate(order):
-            if row is None:
-                continue
-            last[slot], length[slot], generated[slot] = row.tokens[-1], row.length, len(row.tokens)
-            live[slot] = not row.done
-        refill_at = self._refill_at()
+        order, args, plan = self._decode_inputs()
+        live, params = args[3], args[4]
         start = time.perf_counter()
         self.cache.arrays, out_tok, out_lp, produced, stopped = self.weights.programs.decode(
-            self.weights.leaves, self.cache.arrays, last, length, generated, live, params,
-            np.int32(self.segment_steps), np.int32(refill_at), plan=plan,
+            self.weights.leaves, self.cache.arrays, *args, plan=plan,
             steps=self.segment_steps, sharding=self.cache.sharding(shape.rows))
         out_tok, out_lp, produced, stopped = jax.device_get((out_tok, out_lp, produced, stopped))
         seconds = time.perf_counter() - start
@@ -453,5 +450,75 @@ class Scheduler:
             st["last_tokens_per_second"] = float(produced.sum()) / seconds if seconds else 0.0
             self._programs_seen(("decode", shape, plan, params.stop_ids.shape))
 
+    def _decode_inputs(self):
+        """(the row in each cache slot or None, decode's host arguments after the cache, the
+        rows' `SamplePlan`) of the next segment over every row of the cache."""
+        shape = self.cache.shape
+        order = [self.rows.get(slot) for slot in range(shape.rows)]
+        present = [row for row in order if row is not None]
+        params, plan = row_params([r or present[0] for r in order], shape.rows,
+                                  self.vocab_size)
+        last = np.zeros(shape.rows, np.int32)
+        length = np.zeros(shape.rows, np.int32)
+        generated = np.zeros(shape.rows, np.int32)
+        live = np.zeros(shape.rows, bool)
+        for slot, row in enumerate(order):
+            if row is None:
+                continue
+            last[slot], length[slot], generated[slot] = row.tokens[-1], row.length, len(row.tokens)
+            live[slot] = not row.done
+        args = (last, length, generated, live, params, np.int32(self.segment_steps),
+                np.int32(self._refill_at()))
+        return order, args, plan
+
+    # ------------------------------------------------------------------ ahead of time
+
+    def lower(self, request: GenerationRequest) -> tuple[dict[str, jax.stages.Lowered], tuple]:
+        """The programs this scheduler runs when ``request`` (pinned weights, which may be
+        abstract: sharded ShapeDtypeStructs) is admitted whole into an empty batch: "prefill"
+        of all its prompts in one packed batch, "admit" of their rows into the cache laid out
+        as `_layout` lays it for them, and "decode", a segment over that cache. Lowered for
+        ahead-of-time compilation (`splitrl plan`), with the cache they run over (sharded
+        ShapeDtypeStructs). Nothing runs, no cache is allocated, and the scheduler is left as
+        it was (an empty batch)."""
+        if self.rows or self.weights is not None:
+            raise RuntimeError("lower() needs an idle scheduler")
+        try:
+            weights = self._weights_for(request, True)
+            admitted = []
+            while request.next_prompt < len(request.prompts):
+                admitted.append(self._new_group(request, weights))
+                request.next_prompt += 1
+            rows = [row for group in admitted for row in group.rows]
+            width = max(row.final_width for row in rows)
+            shape = self.cache.bound_for(len(rows), width)
+            self.cache.shape, self.cache.arrays = shape, self.cache.abstract_arrays(shape)
+            sharding = self.cache.sharding(shape.rows)
+            _, _, prefill_args, admit_args, plan = self._prefill_inputs(admitted)
+            host = _replicated(self.cache.mesh)
+            programs, leaves = weights.programs, weights.leaves
+            prefill = programs.prefill.lower(leaves, *host(prefill_args))
+            kv, hidden = prefill.out_info
+            admit = programs.admit.lower(leaves, self.cache.arrays, kv, hidden,
+                                         *host(admit_args), plan=plan, sharding=sharding)
+            for row in rows:  # as `_prefill_and_admit` leaves them: prompt in, a first token
+                row.length, row.tokens = row.prompt_len, [0]
+            _, decode_args, plan = self._decode_inputs()
+            decode = programs.decode.lower(leaves, self.cache.arrays, *host(decode_args),
+                                           plan=plan, steps=self.segment_steps,
+                                           sharding=sharding)
+            return {"prefill": prefill, "admit": admit, "decode": decode}, self.cache.arrays
+        finally:
+            self.rows.clear()
+            self.weights = None
+            self.cache.release()
+
     def _programs_seen(self, *keys) -> None:
         self.stats.setdefault("_programs", set()).update(keys)
+
+
+def _replicated(mesh):
+    """Host arguments as the programs receive them: numpy arrays, replicated over the mesh."""
+    sharding = NamedSharding(mesh, PartitionSpec())
+    return lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype, sharding=sharding), tree)

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from splitrl import plan_command
 from splitrl.config import AuthConfig, Config, ConfigError, dump_config, load_config
 
 
@@ -316,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="draw a run's curves (reward, accuracy, KL, ...) to PNG")
     p.add_argument("run_dir")
     p.set_defaults(func=_plot)
+
+    plan_command.add_parser(sub)
 
     p = sub.add_parser("k8s", help="render, apply, scale or inspect the Kubernetes deployment")
     p.add_argument("k8s_args", nargs=argparse.REMAINDER)

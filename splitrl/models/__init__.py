@@ -26,8 +26,11 @@ from splitrl.models.attention import (
     AttentionBackend,
     DenseAttention,
     KVCacheAttention,
+    attend,
+    blockwise_attend,
     causal_mask,
     dense_attend,
+    slot_attend,
 )
 from splitrl.models.cache import KVCache, init_cache, left_pad_positions
 from splitrl.models.config import RopeScaling, TransformerConfig
@@ -57,6 +60,9 @@ __all__ = [
     "apply",
     "causal_mask",
     "dense_attend",
+    "attend",
+    "blockwise_attend",
+    "slot_attend",
     "from_hf_state_dict",
     "from_pretrained",
     "hf_from_state",

@@ -98,7 +98,8 @@ def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.n
     Every parameter must be present with its exact shape and no other name may appear;
     otherwise a ValueError names the offending tensors. Arrays keep their placement
     (device/sharding); numpy arrays become jax arrays. With `param_dtype` every array is cast
-    to it, otherwise each keeps its dtype. Combine with a graphdef via `nnx.merge`.
+    to it, otherwise each keeps its dtype. ShapeDtypeStructs stay abstract (a state to lower
+    programs with, see `splitrl plan`). Combine with a graphdef via `nnx.merge`.
     """
     abstract = _abstract_flat(config)
     expected = {_name(path) for path, _ in abstract}
@@ -115,10 +116,12 @@ def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.n
         if tuple(value.shape) != tuple(want):
             raise ValueError(f"parameter {name!r} has shape {tuple(value.shape)}, "
                              f"expected {tuple(want)}")
-        if not isinstance(value, jax.Array):
-            value = jnp.asarray(value)
-        if param_dtype is not None:
-            value = value.astype(param_dtype)
+        if isinstance(value, jax.ShapeDtypeStruct):  # abstract (AOT compilation): no data
+            dtype = value.dtype if param_dtype is None else param_dtype
+            value = jax.ShapeDtypeStruct(value.shape, dtype, sharding=value.sharding)
+        else:
+            value = value if isinstance(value, jax.Array) else jnp.asarray(value)
+            value = value if param_dtype is None else value.astype(param_dtype)
         leaves.append((path, var.replace(value)))
     return nnx.from_flat_state(leaves)
 

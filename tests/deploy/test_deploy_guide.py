@@ -275,3 +275,22 @@ def test_paths_the_guide_mentions_exist_or_are_generated(path):
         assert (REPO / "deploy/k8s/base/auth/.gitignore").read_text().split() == ["token"]
     else:
         assert (REPO / path).exists()
+
+
+def test_plan_commands_plan_the_overlays_node_pools(rendered):
+    """`splitrl plan` in the guide compiles for the slices the gke-tpu node selectors request,
+    with the meshes the containers set (tests/deploy/test_gke_tpu_plan.py runs the plan)."""
+    from splitrl.planning.targets import gke_topology
+
+    plans = by_tool("splitrl", "plan")
+    assert plans
+    docs = rendered["gke-tpu"]
+    for words in plans:
+        args = build_parser().parse_args(words[1:])
+        assert args.config == "deploy/config/splitrl.yaml"
+        for kind, name in (("Job", "trainer"), ("Deployment", "sampler")):
+            workload = find(docs, kind, name)
+            assert getattr(args, f"{name}_topology") == gke_topology(
+                pod_spec(workload)["nodeSelector"])
+            mesh = [a for a in containers(workload)[-1]["args"] if a.startswith(f"{name}.mesh.")]
+            assert mesh and set(mesh) <= set(args.overrides), (name, mesh)

@@ -153,30 +153,37 @@ class Learner:
 
         self._graphdef = nnx.split(abstract_model(self.config, self.dtype))[0]
         flat = hf_from_state(nnx.state(model, nnx.Param))
+        # An abstract model (`splitrl.models.abstract_model`: ShapeDtypeStruct leaves) makes an
+        # abstract learner: every array below is a sharded ShapeDtypeStruct, nothing is
+        # allocated, and `lower_train_step` compiles its programs ahead of time (`splitrl plan`).
+        self.abstract = all(isinstance(v, jax.ShapeDtypeStruct) for v in flat.values())
         # Frozen base weights (LoRA only): read by every forward, never updated or saved.
         self.base_params: Params | None = None
         if lora is None:
             self.param_shardings = param_shardings(mesh, flat, strategy)
-            self.params: Params = jax.device_put(flat, self.param_shardings)
+            self.params: Params = self._place(flat, self.param_shardings)
         else:
-            self.base_params = jax.device_put(flat, param_shardings(mesh, flat, strategy))
+            self.base_params = self._place(flat, param_shardings(mesh, flat, strategy))
             if adapters is None:
                 adapters = lora_lib.init_adapters(self.config, lora, seed)
             lora_lib.check_adapters(self.config, lora, adapters)
-            adapters = {k: jnp.asarray(v, jnp.float32) for k, v in adapters.items()}
+            adapters = {k: jax.ShapeDtypeStruct(v.shape, jnp.float32) if self.abstract
+                        else jnp.asarray(v, jnp.float32) for k, v in adapters.items()}
             self.param_shardings = param_shardings(mesh, adapters, strategy)
-            self.params = jax.device_put(adapters, self.param_shardings)
+            self.params = self._place(adapters, self.param_shardings)
         # Reference policy for the KL term: kept only when it is used (beta > 0); with LoRA it
         # is the base (adapters off), which is already here.
         self.ref_params: Params | None = None
         if algorithm.beta > 0 and lora is None:
             source = flat if reference is None else hf_from_state(nnx.state(reference, nnx.Param))
-            self.ref_params = jax.device_put(
-                jax.tree.map(jnp.array, source), self.param_shardings  # a copy, never updated
+            self.ref_params = self._place(
+                jax.tree.map(jnp.array, source) if not self.abstract else source,
+                self.param_shardings,  # a copy, never updated
             )
 
         self._opt_shardings = self._optimizer_shardings()
-        self.opt_state = jax.device_put(self.tx.init(self.params), self._opt_shardings)
+        init = jax.eval_shape if self.abstract else lambda f, x: f(x)
+        self.opt_state = self._place(init(self.tx.init, self.params), self._opt_shardings)
         # Hashable static descriptions: learners with equal settings share compiled steps.
         self._spec = _ForwardSpec(self._graphdef, self.config, logprob_chunk_size, temperature,
                                   lora)
@@ -190,10 +197,12 @@ class Learner:
         if cfg.model.lora is not None:
             from splitrl.models.hf_io import checkpoint_fingerprint
 
+            base = hf_from_state(nnx.state(model, nnx.Param))
             lora, adapters = lora_lib.from_section(
-                cfg.model.lora, model.config, seed=cfg.trainer.seed,
-                base=hf_from_state(nnx.state(model, nnx.Param)))
-            fingerprint = checkpoint_fingerprint(cfg.model.path)
+                cfg.model.lora, model.config, seed=cfg.trainer.seed, base=base)
+            if not all(isinstance(v, jax.ShapeDtypeStruct) for v in base.values()):
+                # (an abstract model, for `splitrl plan`, has no weights to fingerprint)
+                fingerprint = checkpoint_fingerprint(cfg.model.path)
         return cls(
             model,
             algorithm=cfg.algorithm,
@@ -307,6 +316,53 @@ class Learner:
 
         abstract = jax.eval_shape(self.tx.init, self.params)
         return jax.tree_util.tree_map_with_path(pick, abstract)
+
+    def _place(self, tree, shardings):
+        """`tree` on the mesh: device arrays, or sharded ShapeDtypeStructs when abstract."""
+        if not self.abstract:
+            return jax.device_put(tree, shardings)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+
+    def lower_train_step(self, rows: int, length: int) -> dict[str, jax.stages.Lowered]:
+        """The programs of one train step, lowered for micro-batches of `rows` x `length`
+        tokens with this learner's mesh, shardings and settings: "grad_step" (forward,
+        backward and gradient accumulation of one micro-batch), "apply_update" (the optax
+        update) and, when beta > 0, "reference_logprobs". `.compile()` them for their
+        `memory_analysis()`; works on an abstract learner (nothing runs)."""
+        sharding = self._batch_sharding(rows)
+        spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding(
+            len(shape)))
+        mb = {
+            "tokens": spec((rows, length), jnp.int32),
+            "attention_mask": spec((rows, length), jnp.bool_),
+            "completion_mask": spec((rows, length), jnp.bool_),
+            "sampler_logprobs": spec((rows, length), jnp.float32),
+            "advantages": spec((rows,), jnp.float32),
+        }
+        logp = spec((rows, length - 1), jnp.float32)
+        scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype)
+        counts = {"num_tokens": scalar(jnp.float32), "num_sequences": scalar(jnp.float32)}
+        abstract = lambda tree: jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        params, opt_state, base = (abstract(t) for t in (self.params, self.opt_state,
+                                                         self.base_params))
+        ref = None if self.algorithm.beta <= 0 else logp
+        lowered = {
+            "grad_step": _grad_step.lower(
+                self._spec, self._settings, params, base, params, mb, logp, scalar(jnp.bool_),
+                ref, counts, self._dropout_key(0, 0),
+            ),
+            "apply_update": _apply_update.lower(self.tx, params, opt_state, params),
+        }
+        if self.lora is not None and self.algorithm.beta > 0:  # the base, adapters off
+            lowered["reference_logprobs"] = _forward.lower(
+                self._spec._replace(lora=None), None, base, mb)
+        elif self.ref_params is not None:
+            lowered["reference_logprobs"] = _forward.lower(
+                self._spec, None, abstract(self.ref_params), mb)
+        return lowered
 
     def _reference_logprobs(self, mb):
         if self.algorithm.beta <= 0:

@@ -1,0 +1,178 @@
+"""`splitrl plan` compiling the real programs: on this CPU (the memory model against a real
+learner's live arrays, exit codes) and for a TPU v5e 2x2 through libtpu.
+
+The TPU tests need libtpu (the TPU compiler, no TPU): the `test` extra installs it, so CI runs
+them; without it they skip saying how to install it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import pytest
+
+from splitrl import cli
+from splitrl.config import load_config
+from splitrl.init_model import init_model
+from splitrl.mesh import build_mesh
+from splitrl.models import from_pretrained, param_shapes
+from splitrl.models import load_config as load_model_config
+from splitrl.planning import cpu_target, libtpu_installed, plan_run, tpu_target
+from tests.conftest import REPO_ROOT
+
+DEMO = str(REPO_ROOT / "splitrl" / "configs" / "demo.yaml")
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    """The demo's tiny Qwen2 (what `make demo` trains)."""
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-arith", family="qwen2",
+                      preset="tiny", vocab="arithmetic", seed=0)
+
+
+def _bytes_by_param(config, itemsize):
+    shapes = param_shapes(config)
+    total = sum(math.prod(s.shape) for s in shapes.values()) * itemsize
+    one_d = sum(math.prod(s.shape) for s in shapes.values() if len(s.shape) == 1) * itemsize
+    return total, one_d
+
+
+def _per_device_bytes(arrays) -> int:
+    per_device: dict = {}
+    for a in arrays:
+        for shard in a.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def test_cpu_plan_predicts_parameter_and_optimizer_bytes_of_a_real_learner(demo_model):
+    from splitrl.planning.services import TrainerPlanner
+    from trainer_service.learning.learner import Learner
+
+    # The demo trainer's fsdp=4 mesh: half of this test process's 8 CPU devices. What the
+    # plan reports for parameters and optimizer state (`measure` adds the compiled
+    # temporaries to these; the TPU tests below compile).
+    cfg = load_config(DEMO, [f"model.path={demo_model}", "trainer.mesh.device_fraction=0.5"])
+    planner = TrainerPlanner(cfg, load_model_config(demo_model), cpu_target())
+    predicted = planner.held(planner.rows)
+    assert dict(planner.mesh.shape) == {"fsdp": 4}
+
+    model = from_pretrained(demo_model, dtype=cfg.model.dtype)
+    before = {id(a) for a in jax.live_arrays()}
+    learner = Learner.from_config(model, cfg, build_mesh(cfg.trainer.mesh))
+    new = [a for a in jax.live_arrays() if id(a) not in before]
+    measured = _per_device_bytes(new)
+    assert _per_device_bytes(jax.tree.leaves(learner.params)) == predicted["parameters"]
+    want = predicted["parameters"] + predicted["optimizer state"]
+    assert abs(measured - want) <= 0.10 * measured, (measured, want)
+
+
+@pytest.fixture(scope="module")
+def one_layer_config(tmp_path_factory):
+    """A one-layer Llama-shaped config.json and nothing else (a plan needs no weights): the
+    TPU compiler takes seconds for it, not minutes. Matrix sides are multiples of 128, so
+    TPU tiling pads them little and the compiler's argument sizes are comparable."""
+    path = tmp_path_factory.mktemp("plan") / "config.json"
+    path.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "eos_token_id": 2, "max_position_embeddings": 256}))
+    return path
+
+
+def test_plan_exit_codes_say_whether_it_fits(one_layer_config, capsys):
+    args = ["plan", "--platform", "cpu", "--only", "sampler", "--no-search", "--config", DEMO,
+            "--model", str(one_layer_config), "sampler.mesh.device_fraction=0.25",
+            "sampler.max_batch_size=32"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "sampler: cpu" in out and ": fits" in out and "kv cache" in out
+    assert cli.main(args[:1] + ["--hbm-gib", "0.0001"] + args[1:]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_plan_refuses_a_model_path_without_config_json(tmp_path, capsys):
+    assert cli.main(["plan", "--platform", "cpu", "--model", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+needs_libtpu = pytest.mark.skipif(
+    not libtpu_installed(),
+    reason="libtpu (the TPU compiler) is not installed: pip install -e '.[tpu-plan]' "
+    "(the test extra includes it, which is how CI gets it)")
+
+
+@pytest.fixture(scope="module")
+def tpu_reports(one_layer_config):
+    """One v5e 2x2 slice split by device fractions: the trainer on chips 0-1 (fsdp), the
+    sampler on chips 2-3 (tensor parallel); compiled once for every assertion below."""
+    cfg = load_config(DEMO, [
+        "trainer.micro_batch_size=32", "trainer.mesh.axes={fsdp: 2}",
+        "trainer.mesh.device_fraction=0.5", "sampler.mesh.device_fraction=0.5",
+        "sampler.mesh.device_offset=2", "sampler.max_batch_size=32"])
+    target = tpu_target("v5e:2x2")
+    reports = plan_run(cfg, load_model_config(one_layer_config.parent),
+                       {"trainer": target, "sampler": target}, search=False)
+    return {r.service: r for r in reports}
+
+
+@needs_libtpu
+def test_tpu_train_step_memory_report_counts_the_model_parameters(tpu_reports,
+                                                                  one_layer_config):
+    r = tpu_reports["trainer"]
+    assert r.target.device_kind == "TPU v5 lite" and r.mesh == {"fsdp": 2}
+    m = r.measurement
+    assert m.fits and {p.name for p in m.programs} == {"grad_step", "apply_update"}
+    total, one_d = _bytes_by_param(load_model_config(one_layer_config.parent), 4)  # float32
+    # fsdp over 2 chips halves every matrix; 1-D norm weights stay whole on each chip.
+    assert total / 2 <= m.categories["parameters"] <= total / 2 + one_d / 2
+    assert m.categories["gradients"] == m.categories["parameters"]
+    assert m.categories["optimizer state"] >= 2 * m.categories["parameters"]  # Adam mu, nu
+    # The compiler's own count of the update's inputs (params, Adam state, gradients; TPU
+    # tiles pad small arrays) agrees with the plan's.
+    update = next(p for p in m.programs if p.name == "apply_update")
+    state = sum(m.categories[k] for k in ("parameters", "optimizer state", "gradients"))
+    assert state <= update.arguments <= 2 * state
+
+
+@needs_libtpu
+def test_tpu_decode_memory_report_has_parameters_and_kv_cache(tpu_reports, one_layer_config):
+    r = tpu_reports["sampler"]
+    assert r.target.device_kind == "TPU v5 lite" and r.mesh == {"tensor": 2}
+    m = r.measurement
+    assert m.fits and [p.name for p in m.programs] == ["prefill", "admit", "decode"]
+    config = load_model_config(one_layer_config.parent)
+    total, one_d = _bytes_by_param(config, 4)
+    assert total / 2 <= m.categories["parameters"] <= total / 2 + one_d / 2
+    assert m.categories["push staging"] == m.categories["parameters"]
+    # The engine's cache at its widest: 32 rows x 32 slots (sampler.max_sequence_length),
+    # keys and values of every layer, KV heads split over the 2 chips.
+    assert m.categories["kv cache"] == (32 * 32 * 2 * config.num_layers * config.num_kv_heads
+                                        * config.head_dim * 4 // 2)
+    decode = next(p for p in m.programs if p.name == "decode")
+    # The compiler's own count of decode's inputs: the weights and the cache (+ row inputs).
+    held = m.categories["parameters"] + m.categories["kv cache"]
+    assert held <= decode.arguments <= 2 * held
+    assert m.peak == sum(m.categories.values()) < r.target.hbm_bytes
+
+
+@pytest.mark.slow  # three CPU compiles of the train step (~30 s)
+def test_layer_extrapolation_matches_the_full_compile(one_layer_config, tmp_path):
+    """--extrapolate-layers (compiles of 1 and 2 layers) against the 4-layer model compiled
+    whole: the sharding-derived bytes agree exactly, XLA's temporaries within 10%."""
+    config = json.loads(one_layer_config.read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    cfg = load_config(DEMO, ["trainer.mesh.device_fraction=0.5"])
+    model_config = load_model_config(tmp_path)
+    [full] = plan_run(cfg, model_config, {"trainer": cpu_target()}, search=False)
+    [extrapolated] = plan_run(cfg, model_config, {"trainer": cpu_target()}, search=False,
+                              extrapolate_layers=True)
+    full, extrapolated = full.measurement.categories, extrapolated.measurement.categories
+    assert full.keys() == extrapolated.keys()
+    for name in ("parameters", "optimizer state", "gradients", "batch"):
+        assert extrapolated[name] == full[name], name
+    assert abs(extrapolated["temporaries"] - full["temporaries"]) <= 0.10 * full["temporaries"]
