@@ -68,17 +68,21 @@ def iter_region_frames(
     step = max_chunk_bytes // itemsize * itemsize
     view = memoryview(raw)
     for offset in range(0, max(raw.size, 1), step):
-        piece = view[offset : offset + step]
-        crc = checksum(piece)
-        if old is not None:
-            delta = delta_encode(raw[offset : offset + step], old[offset : offset + step],
-                                 itemsize)
-            if delta is not None:
-                encoding, payload = delta
-                yield (tensor_pb2.TensorChunk(offset=offset, checksum=crc, encoding=encoding,
-                                              length=len(piece), **meta), memoryview(payload))
-                continue
-        yield tensor_pb2.TensorChunk(offset=offset, checksum=crc, **meta), piece
+        yield _chunk(meta, offset, view[offset : offset + step], raw[offset : offset + step],
+                     None if old is None else old[offset : offset + step], itemsize)
+
+
+def _chunk(meta: dict, offset: int, piece: memoryview, raw, old, itemsize: int):
+    """One chunk: its checksum over the decoded bytes ``piece`` (``raw`` as numbers), sent as a
+    delta against ``old`` (the receiver's copy of these bytes) when that is smaller, else raw."""
+    crc = checksum(piece)
+    if old is not None:
+        encoded = delta_encode(raw, old, itemsize)
+        if encoded is not None:
+            encoding, payload = encoded
+            return (tensor_pb2.TensorChunk(offset=offset, checksum=crc, encoding=encoding,
+                                           length=len(piece), **meta), memoryview(payload))
+    return tensor_pb2.TensorChunk(offset=offset, checksum=crc, **meta), piece
 
 
 def iter_tensor_frames(
@@ -217,16 +221,7 @@ def _block_frames(name: str, region: Bounds, shards: Sequence[_Shard], *, shape,
                 old.view(dtype).reshape(out.shape)[inside] = \
                     shard.old[_local(piece, shard.bounds)]
         offset = first * row_bytes
-        piece = memoryview(new)
-        crc = checksum(piece)
-        if old is not None:
-            encoded = delta_encode(new, old, dtype.itemsize)
-            if encoded is not None:
-                encoding, payload = encoded
-                yield (tensor_pb2.TensorChunk(offset=offset, checksum=crc, encoding=encoding,
-                                              length=len(piece), **meta), memoryview(payload))
-                continue
-        yield tensor_pb2.TensorChunk(offset=offset, checksum=crc, **meta), piece
+        yield _chunk(meta, offset, memoryview(new), new, old, dtype.itemsize)
 
 
 def check_targets(flat_params: Mapping[str, object],
