@@ -31,3 +31,13 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def arith_model(tmp_path_factory) -> Path:
+    """The demo's tiny Qwen2 with a character vocabulary (what `make demo` creates), written once
+    per test session; tests read it and never write into it."""
+    from splitrl.init_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-arith", family="qwen2",
+                      preset="tiny", vocab="arithmetic", seed=0)

@@ -1,17 +1,11 @@
-"""Fixtures for the end-to-end runs: tiny checkpoints made by `splitrl init-model`."""
+"""Fixtures for the end-to-end runs (the demo's tiny model, ``arith_model``, is in
+tests/conftest.py: unit tests use it too)."""
 
 from __future__ import annotations
 
 import pytest
 
 from splitrl.init_model import init_model
-
-
-@pytest.fixture(scope="session")
-def arith_model(tmp_path_factory):
-    """The demo's tiny Qwen2 with a character vocabulary (what `make demo` creates)."""
-    return init_model(tmp_path_factory.mktemp("models") / "tiny-arith", family="qwen2",
-                      preset="tiny", vocab="arithmetic", seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -35,17 +35,9 @@ STEPS = 1000
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from splitrl.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny",
-                      vocab="arithmetic")
-
-
-@pytest.fixture(scope="module")
-def sampler(tmp_path_factory, model_dir):
+def sampler(tmp_path_factory, arith_model):
     cfg = {
-        "model": {"path": str(model_dir)},
+        "model": {"path": str(arith_model)},
         "sampler": {"max_batch_size": 4, "max_sequence_length": 32,
                     "max_chunk_bytes": MAX_CHUNK, "push_idle_timeout_s": IDLE_S,
                     "mesh": {"axes": {"tensor": 2}, "strategy": "tp"},

@@ -91,18 +91,10 @@ def trainer():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from splitrl.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny",
-                      vocab="arithmetic")
-
-
-@pytest.fixture(scope="module")
-def sampler(tmp_path_factory, model_dir, reward, trainer):
+def sampler(tmp_path_factory, arith_model, reward, trainer):
     cfg = {
         "run_name": "test-sampler",
-        "model": {"path": str(model_dir)},
+        "model": {"path": str(arith_model)},
         "sampling": {"max_new_tokens": 6},
         "sampler": {"max_batch_size": 8, "max_sequence_length": 48,
                     "max_chunk_bytes": MAX_CHUNK, "sampler_id": "sampler-under-test",
@@ -173,11 +165,11 @@ def test_getinfo_reports_the_tensor_parallel_layout_on_two_devices(sampler):
 
 
 def test_push_from_a_four_device_fsdp_sender_is_bitwise_equal_with_the_samplers_layout(
-        sampler, model_dir):
+        sampler, arith_model):
     proc, stub = sampler
     before = {p.name: list(p.partition) for p in _info(stub, digests=False).params}
     out = subprocess.run(
-        [sys.executable, str(HERE / "sampler_helpers.py"), "push", proc.address, str(model_dir),
+        [sys.executable, str(HERE / "sampler_helpers.py"), "push", proc.address, str(arith_model),
          "1", "11", TOKEN], env=subprocess_env(4), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     sent = json.loads(out.stdout.strip().splitlines()[-1])

@@ -30,20 +30,12 @@ LONG = 400
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from splitrl.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny",
-                      vocab="arithmetic")
-
-
-@pytest.fixture(scope="module")
-def sampler(tmp_path_factory, model_dir):
+def sampler(tmp_path_factory, arith_model):
     reward = start_server(lambda s: reward_pb2_grpc.add_RewardServicer_to_server(FakeReward(), s),
                           "127.0.0.1:0", service_names=["splitrl.v1.Reward"])
     cfg = {
         "run_name": "test-in-flight",
-        "model": {"path": str(model_dir)},
+        "model": {"path": str(arith_model)},
         "sampler": {"max_batch_size": 4, "max_sequence_length": LONG + 24, "segment_steps": 1,
                     "update_in_flight": True, "register_with_trainer": False,
                     "mesh": {"axes": {"tensor": 1}, "strategy": "tp"}},
@@ -69,20 +61,20 @@ def _metric(proc, name: str) -> float:
     raise AssertionError(f"{name} not exported")
 
 
-def _same_weights_as(model_dir, info, version):
+def _same_weights_as(arith_model, info, version):
     from splitrl.models import from_pretrained, hf_from_state
 
     params = {n: np.asarray(a) for n, a in
-              hf_from_state(nnx.state(from_pretrained(model_dir))).items()}
+              hf_from_state(nnx.state(from_pretrained(arith_model))).items()}
     return list(wire.iter_push_messages(params, version, max_chunk_bytes=info.max_chunk_bytes,
                                         target_shardings=wire.layouts_from_info(info),
                                         sender="pytest"))
 
 
-def test_completions_spanning_a_push_carry_both_versions(sampler, model_dir):
+def test_completions_spanning_a_push_carry_both_versions(sampler, arith_model):
     proc, stub = sampler
     info = stub.GetInfo(sampler_pb2.GetInfoRequest())
-    assert stub.PushWeights(iter(_same_weights_as(model_dir, info, 1)), timeout=300).version == 1
+    assert stub.PushWeights(iter(_same_weights_as(arith_model, info, 1)), timeout=300).version == 1
     prompt = common_pb2.Prompt(prompt_id="p", text="1+2=", reference="3")
     greedy = common_pb2.SamplingParams(greedy=True, max_new_tokens=LONG)
     request = sampler_pb2.GenerateRequest(prompts=[prompt], sampling=greedy, n=2)
@@ -91,7 +83,7 @@ def test_completions_spanning_a_push_carry_both_versions(sampler, model_dir):
     for c in before.outputs[0].completions:
         assert c.finish_reason == "length" and list(c.weight_versions) == [1]
 
-    messages = _same_weights_as(model_dir, info, 2)
+    messages = _same_weights_as(arith_model, info, 2)
     resume, pushed, generated = threading.Event(), [], []
 
     def held_push():

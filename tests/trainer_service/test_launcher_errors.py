@@ -13,20 +13,13 @@ import time
 import pytest
 
 from splitrl.config import load_config
-from splitrl.init_model import init_model
 from trainer_service import launcher
 from trainer_service.service_logs import LogFollower, error_lines
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("models") / "tiny", family="qwen2", preset="tiny",
-                      vocab="arithmetic", seed=0)
-
-
-def config(model_dir, run_dir, *overrides):
+def config(arith_model, run_dir, *overrides):
     return load_config(launcher.demo_config_path(), [
-        f"model.path={model_dir}", f"trainer.run_dir={run_dir}", *overrides])
+        f"model.path={arith_model}", f"trainer.run_dir={run_dir}", *overrides])
 
 
 def jsonl(*entries):
@@ -72,7 +65,7 @@ def test_the_follower_reports_each_new_error_line_once(tmp_path):
       "trainer.data.long_prompt_policy=error"],
      "1 of 3 train prompts are longer than 30 tokens"),
 ])
-def test_bad_data_fails_before_any_service_starts(model_dir, tmp_path, capsys, overrides,
+def test_bad_data_fails_before_any_service_starts(arith_model, tmp_path, capsys, overrides,
                                                   fragment):
     data = tmp_path / "data"
     data.mkdir()
@@ -80,7 +73,7 @@ def test_bad_data_fails_before_any_service_starts(model_dir, tmp_path, capsys, o
             {"question": "1+" * 20 + "1=", "answer": "21"}]
     for split in ("train", "test"):
         (data / f"{split}.jsonl").write_text(jsonl(*rows))
-    cfg = config(model_dir, tmp_path / "run", *(o.format(data=data) for o in overrides))
+    cfg = config(arith_model, tmp_path / "run", *(o.format(data=data) for o in overrides))
     start = time.monotonic()
     assert launcher.main(cfg) == 2
     assert time.monotonic() - start < 60  # no service was started or waited on
@@ -89,9 +82,9 @@ def test_bad_data_fails_before_any_service_starts(model_dir, tmp_path, capsys, o
     assert not (tmp_path / "run" / "logs").exists()
 
 
-def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(model_dir, tmp_path,
+def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(arith_model, tmp_path,
                                                                      capsys):
-    cfg = config(model_dir, tmp_path / "run", "reward.functions=[{name: 'my_rewardz:think'}]",
+    cfg = config(arith_model, tmp_path / "run", "reward.functions=[{name: 'my_rewardz:think'}]",
                  "reward.accuracy_function=null")
     assert launcher.main(cfg) != 0
     captured = capsys.readouterr()
@@ -113,9 +106,9 @@ time.sleep(600)
 """
 
 
-def test_services_stop_when_their_launcher_is_killed(model_dir, tmp_path):
+def test_services_stop_when_their_launcher_is_killed(arith_model, tmp_path):
     parent = subprocess.Popen(
-        [sys.executable, "-c", LAUNCHER_THEN_SLEEP, f"model.path={model_dir}",
+        [sys.executable, "-c", LAUNCHER_THEN_SLEEP, f"model.path={arith_model}",
          f"trainer.run_dir={tmp_path / 'run'}"], stdout=subprocess.PIPE, text=True)
     try:
         reward_pid = int(parent.stdout.readline())

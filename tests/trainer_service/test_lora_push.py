@@ -33,21 +33,13 @@ pytestmark = pytest.mark.slow  # three sampler processes
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from splitrl.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny",
-                      vocab="arithmetic")
-
-
-@pytest.fixture(scope="module")
-def samplers(tmp_path_factory, model_dir):
+def samplers(tmp_path_factory, arith_model):
     """Two samplers with the bulk data plane and one with gRPC only."""
     directory = tmp_path_factory.mktemp("samplers")
 
     def start(i):
         cfg = {
-            "model": {"path": str(model_dir), "lora": {"rank": 4}},
+            "model": {"path": str(arith_model), "lora": {"rank": 4}},
             "sampler": {"max_batch_size": 4, "max_sequence_length": 32,
                         "max_chunk_bytes": 16 * 1024, "push_idle_timeout_s": 20,
                         "mesh": {"axes": {"tensor": 2}, "strategy": "tp"},
@@ -68,19 +60,19 @@ def samplers(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
-def trainer(model_dir):
+def trainer(arith_model):
     """The trainer's base (float32, fsdp over 4), spec and fingerprint."""
     from flax import nnx
 
     from splitrl.models import from_pretrained, hf_from_state
 
-    model = from_pretrained(model_dir, jnp.float32)
+    model = from_pretrained(arith_model, jnp.float32)
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
     flat = hf_from_state(nnx.state(model, nnx.Param))
     base = jax.device_put(flat, param_shardings(mesh, flat, "fsdp"))
     spec = lora_lib.LoraSpec(4, 8.0, lora_lib.resolve_targets(model.config,
                                                               lora_lib.ALL_PROJECTIONS))
-    return base, spec, checkpoint_fingerprint(model_dir), model.config, mesh
+    return base, spec, checkpoint_fingerprint(arith_model), model.config, mesh
 
 
 def _info(proc, digests=False) -> sampler_pb2.SamplerInfo:

@@ -38,17 +38,9 @@ SAMPLERS = 3
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from splitrl.init_model import init_model
-
-    return init_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny",
-                      vocab="arithmetic")
-
-
-@pytest.fixture(scope="module")
-def samplers(tmp_path_factory, model_dir):
+def samplers(tmp_path_factory, arith_model):
     cfg = {
-        "model": {"path": str(model_dir)},
+        "model": {"path": str(arith_model)},
         "sampler": {"dtype": "bfloat16", "max_batch_size": 4, "max_sequence_length": 32,
                     "max_chunk_bytes": 16 * 1024, "push_idle_timeout_s": 20,
                     "mesh": {"axes": {"tensor": 2}, "strategy": "tp"},
@@ -72,14 +64,14 @@ def samplers(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
-def params(model_dir):
+def params(arith_model):
     """The trainer's float32 weights, fsdp over 4 devices."""
     from flax import nnx
 
     from splitrl.models import from_pretrained, hf_from_state
 
     mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
-    flat = hf_from_state(nnx.state(from_pretrained(model_dir, jnp.float32), nnx.Param))
+    flat = hf_from_state(nnx.state(from_pretrained(arith_model, jnp.float32), nnx.Param))
     shardings = param_shardings(mesh, {n: a.shape for n, a in flat.items()}, "fsdp")
     return {n: jax.device_put(a, shardings[n]) for n, a in flat.items()}
 
