@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -373,17 +374,18 @@ def stop_with_launcher(poll_s: float = 1.0, hard_exit_after_s: float = 120.0) ->
     checkpoints); if that has not ended the process ``hard_exit_after_s`` later, it exits.
     Polls ``getppid`` rather than ``prctl(PR_SET_PDEATHSIG)``: the same on Linux and macOS, and
     safe with the launcher's threads. Returns whether the watch started."""
-    expected = os.environ.get(LAUNCHER_PID_ENV, "")
-    if not expected.isdigit() or int(expected) != os.getppid():
+    named = os.environ.get(LAUNCHER_PID_ENV, "")
+    launcher = int(named) if named.isdigit() else None
+    if launcher is None or launcher != os.getppid():
         return False  # started by hand, by compose or by Kubernetes: nothing to follow
 
     def watch() -> None:
-        while os.getppid() == int(expected):
-            threading.Event().wait(poll_s)
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
         log.warning("the launcher that started this service is gone; stopping",
-                    extra={"launcher_pid": int(expected)})
+                    extra={"launcher_pid": launcher})
         os.kill(os.getpid(), signal.SIGTERM)
-        threading.Event().wait(hard_exit_after_s)
+        time.sleep(hard_exit_after_s)
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
