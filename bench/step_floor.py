@@ -98,7 +98,7 @@ def main() -> None:
     config = model.config
     graphdef, state = nnx.split(model)
     params = nnx.state(model, nnx.Param)
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
     stream = PromptStream.for_run(cfg, tokenizer=tokenizer)
     prompt_len = stream.length_reports["train"].longest
     groups, group = cfg.trainer.prompts_per_step, cfg.algorithm.group_size

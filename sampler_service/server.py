@@ -205,7 +205,7 @@ def _paced(messages: Iterator, idle_s: float) -> Iterator:
         stop.set()
 
 
-def _load_tokenizer(path: str):
+def _load_tokenizer(path: str, tokenizer_class: str | None):
     model_dir = Path(path)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         log.warning("no tokenizer in model.path: token-id prompts only, no Rollout scoring",
@@ -213,7 +213,7 @@ def _load_tokenizer(path: str):
         return None
     from splitrl.tokenizer import load_tokenizer
 
-    return load_tokenizer(model_dir)
+    return load_tokenizer(model_dir, tokenizer_class)
 
 
 def _eos_ids(model_config, tokenizer) -> list[int]:
@@ -258,7 +258,7 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
 
         weights.keep_base(checkpoint_fingerprint(config.model.path))
     threading.Thread(target=weights.warm_up, name="warm-up", daemon=True).start()
-    tokenizer = _load_tokenizer(config.model.path)
+    tokenizer = _load_tokenizer(config.model.path, config.model.tokenizer_class)
     pad = model_pad = weights.config.pad_token_id
     if model_pad is None and tokenizer is not None:
         pad = tokenizer.pad_token_id

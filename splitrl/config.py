@@ -94,6 +94,11 @@ class ModelSection(Section):
 
     path: str = "models/tiny-arith"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # The `transformers` tokenizer class the checkpoint's tokenizer loads with (e.g.
+    # Qwen2Tokenizer); null: AutoTokenizer chooses, which imports torch whenever torch is
+    # installed (~3 s of CPU per process). `splitrl up` pins the class AutoTokenizer chose in
+    # the launch config, so its services load exactly that class without torch.
+    tokenizer_class: str | None = None
     # Attention/logit chunking for the training path (tokens per chunk).
     logprob_chunk_size: PositiveInt = 256
     # LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on.

@@ -139,13 +139,45 @@ def _save(tok: Tokenizer, out_dir: str | os.PathLike, *, unk_token: str | None) 
     return out
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """`transformers.AutoTokenizer` for a local directory (never touches the hub for one) or a
-    hub name (honours HF_HUB_OFFLINE)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
+    """The checkpoint's tokenizer from a local directory (never touches the hub for one) or a
+    hub name (honours HF_HUB_OFFLINE).
 
+    With ``tokenizer_class`` (``model.tokenizer_class``) that `transformers` class loads it;
+    without, `AutoTokenizer` chooses the class. Both end in the same ``from_pretrained`` of the
+    same class when the name is the one AutoTokenizer chose (:func:`exported_class_name`). The
+    difference is the cost: AutoTokenizer resolves through `transformers`' config module, which
+    imports torch whenever torch is installed (~3 s of CPU in every process), and a named class
+    does not."""
     local = Path(path).is_dir()
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=local)
+    if tokenizer_class is None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=local)
+    return tokenizer_class_named(tokenizer_class).from_pretrained(str(path),
+                                                                  local_files_only=local)
+
+
+def tokenizer_class_named(name: str) -> type:
+    """The tokenizer class `transformers` exports as ``name``; ValueError if there is none."""
+    import transformers
+    from transformers import PreTrainedTokenizerBase
+
+    cls = getattr(transformers, name, None) if name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase)):
+        raise ValueError(f"model.tokenizer_class: expected a tokenizer class that transformers "
+                         f"{transformers.__version__} exports (e.g. Qwen2Tokenizer, "
+                         f"TokenizersBackend), got {name!r}")
+    return cls
+
+
+def exported_class_name(tokenizer) -> str | None:
+    """The name `transformers` exports ``tokenizer``'s class under, or None (a class from a
+    checkpoint's own code): what ``model.tokenizer_class`` may pin."""
+    import transformers
+
+    name = type(tokenizer).__name__
+    return name if getattr(transformers, name, None) is type(tokenizer) else None
 
 
 def build_messages(text: str | None = None, messages: Sequence[dict] | None = None,

@@ -82,8 +82,8 @@ def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: lis
     through the samplers at ``sampler_addresses``."""
     from trainer_service.orchestration.data import PromptStream
 
-    rows = PromptStream.for_run(cfg, tokenizer=load_tokenizer(cfg.model.path)).eval_rows(
-        cfg.trainer.data.eval_size)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
+    rows = PromptStream.for_run(cfg, tokenizer=tokenizer).eval_rows(cfg.trainer.data.eval_size)
     fn = accuracy_function(cfg)
     eval_lanes = [lane for lane in lanes(cfg) if lane.name == EVAL]
     if samples:

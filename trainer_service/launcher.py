@@ -65,6 +65,7 @@ class Launcher:
         self.log_dir = self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.run_dir / "launch.yaml"
+        pin_tokenizer_class(cfg)
         dump_config(cfg, self.config_path)
         self.procs: dict[str, subprocess.Popen] = {}
         self.reward_address = f"127.0.0.1:{free_port()}"
@@ -277,7 +278,9 @@ def check_data(cfg: Config) -> str | None:
     quiet = logging.getLogger("trainer_service.orchestration.prompt_length")
     level, quiet.level = quiet.level, logging.ERROR  # the summary below says it once
     try:
-        stream = PromptStream.for_run(cfg, tokenizer=load_tokenizer(cfg.model.path))
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
+        pin_tokenizer_class(cfg, tokenizer)
+        stream = PromptStream.for_run(cfg, tokenizer=tokenizer)
     except (ValueError, OSError) as e:
         return str(e)
     finally:
@@ -289,6 +292,29 @@ def check_data(cfg: Config) -> str | None:
             print(f"data: {report.summary()} (data.long_prompt_policy="
                   f"{report.policy}): {ids}{more}", flush=True)
     return None
+
+
+def pin_tokenizer_class(cfg: Config, tokenizer=None) -> None:
+    """Sets ``model.tokenizer_class`` (when the config leaves it null) to the class
+    AutoTokenizer chooses for the model, so every service this launcher starts loads that
+    class directly: the same tokenizer, without the torch import that AutoTokenizer's class
+    resolution costs each process (``splitrl.tokenizer.load_tokenizer``). Resolved once, here.
+    Left null for a model directory without a tokenizer or a tokenizer class from the
+    checkpoint's own code; the services then decide as before."""
+    from splitrl.tokenizer import exported_class_name, load_tokenizer
+
+    if cfg.model.tokenizer_class is not None:
+        return
+    model_dir = Path(cfg.model.path)
+    if tokenizer is None:
+        if model_dir.is_dir() and not any((model_dir / f).is_file()
+                                          for f in ("tokenizer.json", "tokenizer_config.json")):
+            return
+        try:
+            tokenizer = load_tokenizer(cfg.model.path)
+        except (ValueError, OSError):
+            return  # the services report it, each in its own terms
+    cfg.model.tokenizer_class = exported_class_name(tokenizer)
 
 
 def say(message: str) -> None:

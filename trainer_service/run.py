@@ -124,7 +124,7 @@ class TrainerRun:
         self._push_in_flight: PushInFlight | None = None
         self._last_step_end: float | None = None  # monotonic time the previous step ended
         if self.hosts.is_leader:
-            self.tokenizer = load_tokenizer(cfg.model.path)
+            self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
             self.pad_id = self.tokenizer.pad_token_id or 0
             self.parts = build_leader_parts(cfg, tokenizer=self.tokenizer,
                                             metadata=self.metadata, run_dir=self.run_dir,
