@@ -74,6 +74,7 @@ class Launcher:
             f"127.0.0.1:{free_port()}" for _ in range(cfg.services.num_samplers)
         ]
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port
+        self._signalled: set[int] = set()  # pids sent SIGTERM by signal_stop
 
     def _env(self, devices: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -180,14 +181,22 @@ class Launcher:
             devices_for(self.cfg.trainer.mesh),
         )
 
-    def stop(self, grace_s: float = 60.0) -> None:
-        order = ["trainer"] + [n for n in self.procs if n.startswith("sampler")] + ["reward"]
-        for name in order:
+    def signal_stop(self) -> None:
+        """SIGTERM to every service still running, trainer first, once per process (a second
+        SIGTERM would cut a service's graceful stop short); :meth:`stop` waits for them."""
+        for name in self._stop_order():
             proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
+            if proc is not None and proc.poll() is None and proc.pid not in self._signalled:
                 proc.send_signal(signal.SIGTERM)
+                self._signalled.add(proc.pid)
+
+    def _stop_order(self) -> list[str]:
+        return ["trainer"] + [n for n in self.procs if n.startswith("sampler")] + ["reward"]
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        self.signal_stop()
         deadline = time.monotonic() + grace_s
-        for name in order:
+        for name in self._stop_order():
             proc = self.procs.get(name)
             if proc is None:
                 continue
@@ -385,6 +394,7 @@ def main(cfg: Config) -> int:
         launcher.up()
         say("reward functions: " + "; ".join(launcher.reward_functions()))
         code = launcher.watch()
+        launcher.signal_stop()
         plots = _plot_in_background(launcher.run_dir)  # while the services shut down
     except KeyboardInterrupt:
         interrupted = True

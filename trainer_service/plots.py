@@ -19,6 +19,10 @@ PANELS = [
 ]
 
 
+# Fast zlib level: small line plots compress about as well, in a fraction of the time.
+_PNG = {"compress_level": 1}
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
@@ -49,20 +53,24 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     cols = 2
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(11, 3.2 * rows), squeeze=False)
+    # Fixed margins, not tight_layout: the panels' text is the same every run, and measuring
+    # it was ~40% of the time `splitrl up` spent plotting after a run.
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.55 / (3.2 * rows),
+                        top=1 - 0.35 / (3.2 * rows),
+                        hspace=0.55, wspace=0.25)
     for ax, (name, keys, label) in zip(axes.flat, panels, strict=False):
         _draw(ax, records, keys, label)
         single, single_ax = plt.subplots(figsize=(6, 3.5))
+        single.subplots_adjust(left=0.13, right=0.97, bottom=0.14, top=0.91)
         _draw(single_ax, records, keys, label)
-        single.tight_layout()
         path = out_dir / f"{name}.png"
-        single.savefig(path, dpi=90)
+        single.savefig(path, dpi=90, pil_kwargs=_PNG)
         plt.close(single)
         written.append(path)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.tight_layout()
     overview = out_dir / "overview.png"
-    fig.savefig(overview, dpi=90)
+    fig.savefig(overview, dpi=90, pil_kwargs=_PNG)
     plt.close(fig)
     return [overview, *written]
 
