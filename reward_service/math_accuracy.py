@@ -20,27 +20,8 @@ import functools
 import logging
 import re
 
-from math_verify import (
-    ExprExtractionConfig,
-    LatexExtractionConfig,
-    LatexNormalizationConfig,
-    parse,
-    verify,
-)
-
 from reward_service.registry import RewardValue, register
 
-# Timeouts are enforced by the worker; do not warn about math-verify's being off.
-logging.getLogger("math_verify").setLevel(logging.ERROR)
-
-_NORMALIZATION = LatexNormalizationConfig(
-    basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="last",
-    equations=False,
-)
-_EXTRACTION = (
-    LatexExtractionConfig(boxed_match_priority=0, normalization_config=_NORMALIZATION),
-    ExprExtractionConfig(),
-)
 # 1,080 or 12,345,678 but not 1,2 or 3.1,415.
 _THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
@@ -51,8 +32,30 @@ def strip_thousands(text: str) -> str:
     return _THOUSANDS.sub(lambda m: m.group(0).replace(",", ""), text)
 
 
+@functools.cache
+def _math_verify() -> tuple:
+    """math-verify and our extraction settings, imported on first use: it pulls in sympy
+    (~1.5 s of CPU), which a reward service whose functions never parse math should not pay
+    at every start. The worker pool preloads it when ``math_accuracy`` is configured."""
+    import math_verify
+
+    # Timeouts are enforced by the worker; do not warn about math-verify's being off.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    normalization = math_verify.LatexNormalizationConfig(
+        basic_latex=True, units=True, malformed_operators=True, nits=True, boxed="last",
+        equations=False,
+    )
+    extraction = (
+        math_verify.LatexExtractionConfig(boxed_match_priority=0,
+                                          normalization_config=normalization),
+        math_verify.ExprExtractionConfig(),
+    )
+    return math_verify, extraction
+
+
 def _parse(text: str) -> list:
-    return parse(text, _EXTRACTION, parsing_timeout=None)
+    math_verify, extraction = _math_verify()
+    return math_verify.parse(text, extraction, parsing_timeout=None)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -132,7 +135,7 @@ def make_math_accuracy(max_chars: int = 20_000):
             pred = extract_answer(completion, max_chars)
             if not pred:
                 scores.append(RewardValue.zero("no answer found"))
-            elif verify(gold, pred, timeout_seconds=None):
+            elif _math_verify()[0].verify(gold, pred, timeout_seconds=None):
                 scores.append(1.0)
             else:
                 scores.append(RewardValue.zero(f"wrong answer {_shown(pred)!r}"))

@@ -109,6 +109,8 @@ class WorkerPool:
         self._ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             modules = [s.name.partition(":")[0] for s in self.specs if ":" in s.name]
+            if any(s.name == "math_accuracy" for s in self.specs):
+                modules.append("math_verify")  # imported on first use otherwise
             self._ctx.set_forkserver_preload(PRELOAD + modules)
         self._lock = threading.Lock()
         self._queue: collections.deque[_Task] = collections.deque()
