@@ -21,7 +21,11 @@ from trainer_service.launcher import demo_config_path
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
+# The interrupted run is asked for LONG steps, so Ctrl-C always lands mid-run however late the
+# poll below sees step 2 (8 steps take ~2 s here: a run of 8 could finish first); the resumed
+# run is asked for 4 steps past where it stopped.
+LONG = 1000
+MORE = 4
 
 
 class _Command:
@@ -61,13 +65,14 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def run(arith_model, tmp_path_factory):
-    """A run stopped with SIGINT after two steps, refused once, then resumed to the end."""
+    """A run stopped with SIGINT after two steps, refused once, then resumed for MORE steps."""
     run_dir = tmp_path_factory.mktemp("everyday") / "run"
     args = ["up", "--config", str(demo_config_path()),
-            f"model.path={arith_model}", f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}",
-            "trainer.checkpoint.every=4", "services.num_samplers=1", "services.metrics_port=0",
+            f"model.path={arith_model}", f"trainer.run_dir={run_dir}",
+            "trainer.checkpoint.every=4", "trainer.checkpoint.keep=100",
+            "services.num_samplers=1", "services.metrics_port=0",
             "trainer.report_to=[tensorboard]", "trainer.completions_every=2"]
-    first = _splitrl(*args)
+    first = _splitrl(*args, f"trainer.steps={LONG}")
     wait_for(lambda: max(_steps(run_dir), default=0) >= 2 or first.proc.poll() is not None,
              600, "two steps")
     targets = json.loads((run_dir / "prometheus.json").read_text())
@@ -77,10 +82,13 @@ def run(arith_model, tmp_path_factory):
             scraped[target["labels"]["instance_name"]] = r.read().decode()
     first.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
     interrupted = _finish(first)
-    refused = _finish(_splitrl(*args, "algorithm.loss=gspo", "trainer.optimizer.lr=0.002"), 300)
-    resumed = _finish(_splitrl(*args))
+    stopped = int(json.loads((run_dir / "summary.json").read_text())["step"])
+    refused = _finish(_splitrl(*args, f"trainer.steps={LONG}", "algorithm.loss=gspo",
+                               "trainer.optimizer.lr=0.002"), 300)
+    # More steps than the interrupted run was asked for is no change a resume refuses.
+    resumed = _finish(_splitrl(*args, f"trainer.steps={stopped + MORE}"))
     return {"dir": run_dir, "interrupted": interrupted, "refused": refused, "resumed": resumed,
-            "scraped": scraped}
+            "scraped": scraped, "stopped": stopped, "steps": stopped + MORE}
 
 
 def test_ctrl_c_exits_0_saying_where_it_stopped_and_how_to_continue(run):
@@ -88,8 +96,8 @@ def test_ctrl_c_exits_0_saying_where_it_stopped_and_how_to_continue(run):
     assert code == 0, err + tail(run["dir"] / "logs" / "trainer.log")
     summary_line = next(line for line in out.splitlines() if line.startswith("stopped at step"))
     step = int(summary_line.split()[3])
-    assert 2 <= step < STEPS
-    assert f"of {STEPS}; checkpoint in {run['dir']}. To continue from there: splitrl up " in (
+    assert 2 <= step == run["stopped"] < LONG
+    assert f"of {LONG}; checkpoint in {run['dir']}. To continue from there: splitrl up " in (
         summary_line)
     assert "exited with code" not in err and "failed" not in err
 
@@ -108,13 +116,13 @@ def test_the_resumed_run_finishes_and_prints_its_start_and_final_accuracy(run):
     code, out, err = run["resumed"]
     assert code == 0, err
     summary = json.loads((run["dir"] / "summary.json").read_text())
-    start = int(summary["resumed_from"])
-    assert summary["state"] == "done" and summary["step"] == STEPS and 2 <= start < STEPS
+    start, steps = int(summary["resumed_from"]), run["steps"]
+    assert summary["state"] == "done" and summary["step"] == steps and start == run["stopped"]
     assert (f"greedy accuracy on the evaluation prompts: {summary['eval_before/accuracy']:.3f} "
-            f"(resumed at step {start}) -> {summary['eval_after/accuracy']:.3f} (step {STEPS})"
+            f"(resumed at step {start}) -> {summary['eval_after/accuracy']:.3f} (step {steps})"
             ) in out
     trained = sorted(_steps(run["dir"]))
-    assert trained == sorted(set(trained)) and trained[-1] == STEPS  # no step trained twice
+    assert trained == list(range(1, steps + 1))  # every step once, none twice
     assert "trainer: training from step" in out  # the phase lines
 
 
@@ -127,9 +135,10 @@ def test_trackers_and_prometheus_ports_of_a_real_run(run):
     reader = EventAccumulator(str(run["dir"] / "tensorboard"),
                               size_guidance={"scalars": 0, "tensors": 0})
     reader.Reload()
-    assert [e.step for e in reader.Scalars("loss")] == list(range(1, STEPS + 1))
+    assert [e.step for e in reader.Scalars("loss")] == list(range(1, run["steps"] + 1))
     assert reader.Scalars("reward/exact_answer/mean")
-    assert {e.step for e in reader.Tensors("completions/text_summary")} >= {STEPS}
+    last_even = run["steps"] // 2 * 2  # completions_every=2
+    assert {e.step for e in reader.Tensors("completions/text_summary")} >= {last_even}
 
 
 def test_export_of_a_checkpoint_loads_in_transformers(run, tmp_path):
