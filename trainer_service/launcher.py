@@ -75,6 +75,14 @@ class Launcher:
         ]
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port
         self._signalled: set[int] = set()  # pids sent SIGTERM by signal_stop
+        # Set by Ctrl-C / SIGTERM (see `main`) and checked at every wait, so a KeyboardInterrupt
+        # raised where Python ignores exceptions (a `__del__`) still stops the run.
+        self.interrupted = threading.Event()
+
+    def check_interrupted(self) -> None:
+        """KeyboardInterrupt once Ctrl-C or SIGTERM asked the run to stop."""
+        if self.interrupted.is_set():
+            raise KeyboardInterrupt
 
     def _env(self, devices: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -122,6 +130,7 @@ class Launcher:
 
     def wait_healthy(self, name: str, address: str, timeout_s: float = 300.0) -> None:
         def exited() -> None:
+            self.check_interrupted()
             if self.procs[name].poll() is not None:
                 raise RuntimeError(self.exit_report(name))
 
@@ -244,6 +253,7 @@ class Launcher:
 
         try:
             while trainer.poll() is None:
+                self.check_interrupted()
                 show_errors()
                 alive = sum(
                     1 for n, p in self.procs.items() if n.startswith("sampler") and
@@ -386,9 +396,13 @@ def main(cfg: Config) -> int:
     say(f"run directory: {launcher.run_dir}")
 
     def interrupt(signum, _frame):
+        launcher.interrupted.set()  # seen at the next wait even if the exception is lost
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # Installed for SIGINT too: a process started with SIGINT ignored (a background job of a
+    # non-interactive shell, a nohup'd script, some CI runners) keeps it ignored in Python, and
+    # Ctrl-C / `kill -INT` would never stop the run.
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     plots = None
     try:
         launcher.up()
@@ -402,7 +416,8 @@ def main(cfg: Config) -> int:
     except (RuntimeError, TimeoutError) as e:  # a service did not start
         print(f"splitrl up: {e}", file=sys.stderr, flush=True)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         launcher.stop()
     trainer = launcher.procs.get("trainer")
     if interrupted:  # a clean stop is a success; a trainer that failed while stopping is not

@@ -31,14 +31,16 @@ MORE = 4
 class _Command:
     """``python -m splitrl ARGS`` with its output in files (a progress bar would fill a pipe)."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, sigint_ignored: bool = False):
         import tempfile
 
         self.out = tempfile.TemporaryFile("w+")
         self.err = tempfile.TemporaryFile("w+")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # As a background job of a script starts: SIGINT ignored, which Python keeps.
+        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         self.proc = subprocess.Popen([sys.executable, "-m", "splitrl", *args], stdout=self.out,
-                                     stderr=self.err, text=True, env=env)
+                                     stderr=self.err, text=True, env=env, preexec_fn=ignore)
 
     def finish(self, timeout_s: float = 600) -> tuple[int, str, str]:
         self.proc.wait(timeout=timeout_s)
@@ -47,8 +49,8 @@ class _Command:
         return self.proc.returncode, self.out.read(), self.err.read()
 
 
-def _splitrl(*args: str) -> _Command:
-    return _Command(*args)
+def _splitrl(*args: str, sigint_ignored: bool = False) -> _Command:
+    return _Command(*args, sigint_ignored=sigint_ignored)
 
 
 def _finish(command: _Command, timeout_s: float = 600) -> tuple[int, str, str]:
@@ -65,14 +67,16 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def run(arith_model, tmp_path_factory):
-    """A run stopped with SIGINT after two steps, refused once, then resumed for MORE steps."""
+    """A run stopped with SIGINT after two steps (started with SIGINT ignored, as a background
+    job of a script is: Ctrl-C must stop it all the same), refused once, then resumed for MORE
+    steps."""
     run_dir = tmp_path_factory.mktemp("everyday") / "run"
     args = ["up", "--config", str(demo_config_path()),
             f"model.path={arith_model}", f"trainer.run_dir={run_dir}",
             "trainer.checkpoint.every=4", "trainer.checkpoint.keep=100",
             "services.num_samplers=1", "services.metrics_port=0",
             "trainer.report_to=[tensorboard]", "trainer.completions_every=2"]
-    first = _splitrl(*args, f"trainer.steps={LONG}")
+    first = _splitrl(*args, f"trainer.steps={LONG}", sigint_ignored=True)
     wait_for(lambda: max(_steps(run_dir), default=0) >= 2 or first.proc.poll() is not None,
              600, "two steps")
     targets = json.loads((run_dir / "prometheus.json").read_text())
