@@ -37,10 +37,11 @@ class _Command:
         self.out = tempfile.TemporaryFile("w+")
         self.err = tempfile.TemporaryFile("w+")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # As a background job of a script starts: SIGINT ignored, which Python keeps.
-        ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitrl", *args], stdout=self.out,
-                                     stderr=self.err, text=True, env=env, preexec_fn=ignore)
+        command = [sys.executable, "-m", "splitrl", *args]
+        if sigint_ignored:  # as a background job of a script starts (exec keeps an ignored signal)
+            command = ["sh", "-c", "trap '' INT; exec \"$0\" \"$@\"", *command]
+        self.proc = subprocess.Popen(command, stdout=self.out, stderr=self.err, text=True,
+                                     env=env)
 
     def finish(self, timeout_s: float = 600) -> tuple[int, str, str]:
         self.proc.wait(timeout=timeout_s)
