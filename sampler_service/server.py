@@ -32,7 +32,6 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import jax
@@ -206,14 +205,13 @@ def _paced(messages: Iterator, idle_s: float) -> Iterator:
 
 
 def _load_tokenizer(path: str, tokenizer_class: str | None):
-    model_dir = Path(path)
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    from splitrl.tokenizer import has_tokenizer, load_tokenizer
+
+    if not has_tokenizer(path):
         log.warning("no tokenizer in model.path: token-id prompts only, no Rollout scoring",
                     extra={"path": path})
         return None
-    from splitrl.tokenizer import load_tokenizer
-
-    return load_tokenizer(model_dir, tokenizer_class)
+    return load_tokenizer(path, tokenizer_class)
 
 
 def _eos_ids(model_config, tokenizer) -> list[int]:

@@ -139,6 +139,11 @@ def _save(tok: Tokenizer, out_dir: str | os.PathLike, *, unk_token: str | None) 
     return out
 
 
+def has_tokenizer(model_dir: str | os.PathLike) -> bool:
+    """Whether ``model_dir`` holds a tokenizer (``tokenizer.json`` or ``tokenizer_config.json``)."""
+    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
 def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
     """The checkpoint's tokenizer from a local directory (never touches the hub for one) or a
     hub name (honours HF_HUB_OFFLINE).

@@ -320,14 +320,12 @@ def pin_tokenizer_class(cfg: Config, tokenizer=None) -> None:
     resolution costs each process (``splitrl.tokenizer.load_tokenizer``). Resolved once, here.
     Left null for a model directory without a tokenizer or a tokenizer class from the
     checkpoint's own code; the services then decide as before."""
-    from splitrl.tokenizer import exported_class_name, load_tokenizer
+    from splitrl.tokenizer import exported_class_name, has_tokenizer, load_tokenizer
 
     if cfg.model.tokenizer_class is not None:
         return
-    model_dir = Path(cfg.model.path)
     if tokenizer is None:
-        if model_dir.is_dir() and not any((model_dir / f).is_file()
-                                          for f in ("tokenizer.json", "tokenizer_config.json")):
+        if Path(cfg.model.path).is_dir() and not has_tokenizer(cfg.model.path):
             return
         try:
             tokenizer = load_tokenizer(cfg.model.path)
