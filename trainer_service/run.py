@@ -204,15 +204,9 @@ class TrainerRun:
         self._draw_ahead()
         while True:
             taken = self.queue.take(TRAIN, n, stop=self.stop_event)
-            events = self.queue.drain_events(TRAIN)
-            out.filtered += events.filtered
-            out.dropped += events.dropped
-            for item, reason in events.dropped:
-                log.warning("prompt dropped: a sampler refused it twice",
-                            extra={"uid": item.uid, "reason": reason})
             if taken.groups:
                 out.groups = taken.groups
-                return out
+                break
             drawn = self._draw(min(taken.shortfall, limit - out.extra_draws))
             out.extra_draws += drawn
             if drawn < taken.shortfall:
@@ -220,12 +214,19 @@ class TrainerRun:
                     log.warning("step %d is short: %s", self.step + 1,
                                 "the data is used up" if self.data.exhausted else
                                 f"algorithm.max_extra_draws ({limit}) reached",
-                                extra={"filtered": len(out.filtered),
-                                       "dropped": len(out.dropped)})
+                                extra={"extra_draws": out.extra_draws})
                 out.short = True
                 n -= taken.shortfall - drawn
                 if n <= 0:
-                    return out
+                    break
+        # Drained once the step has its groups: until then a stop leaves the filtered and
+        # dropped items in the queue, where the checkpoint's snapshot finds them.
+        events = self.queue.drain_events(TRAIN)
+        out.filtered, out.dropped = events.filtered, events.dropped
+        for item, reason in events.dropped:
+            log.warning("prompt dropped: a sampler refused it twice",
+                        extra={"uid": item.uid, "reason": reason})
+        return out
 
     def _update(self, batch) -> dict[str, float]:
         self.hosts.train(batch)  # multi-host: every process trains on this batch

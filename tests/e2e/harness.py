@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -51,6 +52,31 @@ def tail(path: Path, lines: int = 40) -> str:
 def trained_records(run_dir: Path) -> list[dict]:
     path = run_dir / "trained_prompts.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# What legitimately differs between two runs of one config: wall times, bytes pushed (one push
+# per sampler), membership, and the queue's counters (counts/*: of this trainer process, so they
+# start again at 0 after a restart).
+VOLATILE = ("time/", "throughput/", "push/", "samplers/", "counts/")
+
+
+def step_metrics(run_dir: Path) -> list[dict]:
+    """The run's train-step records of ``metrics.jsonl`` without the volatile values; after a
+    restart, the last record of each step (the final lineage), in step order."""
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "groups" in record:  # a train step (evaluations have no groups)
+            by_step[record["step"]] = {k: v for k, v in record.items()
+                                       if not k.startswith(VOLATILE)}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def export_digest(run_dir: Path) -> str:
+    """sha256 of the run's exported safetensors."""
+    files = sorted((run_dir / "export").glob("*.safetensors"))
+    assert files, f"no exported weights in {run_dir / 'export'}"
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
 def log_records(path: Path) -> list[dict]:

@@ -21,10 +21,14 @@ Evaluation goes first when both have work.
 units of a fixed size in draw order when they are added, and a unit keeps its composition for
 its whole life: its request is the same whichever sampler takes it and however many samplers
 there are, its groups are accepted only when the whole request succeeded (a failed request is
-re-sent whole), and :meth:`take` returns groups sorted by draw order. With per-item seeds and a
-sampler that honours ``RolloutRequest.reproducible``, a synchronous run is then a function of
-its config and seed. Other lanes hand a sampler up to its free capacity (a fair share of the
-queue), and re-queue only what a failed request did not return.
+re-sent whole), and :meth:`take` returns groups sorted by draw order. A unit is named by its
+first item's draw number (``WorkItem.unit``), which a checkpoint keeps, so a resumed run sends
+the same requests. A shortfall is reported only once nothing of the lane is queued or in
+flight: how many replacements are drawn, and so how they are cut into units, must not depend on
+which request finished first. With per-item seeds and a sampler that honours
+``RolloutRequest.reproducible``, a synchronous run is then a function of its config and seed.
+Other lanes hand a sampler up to its free capacity (a fair share of the queue), and re-queue
+only what a failed request did not return.
 
 **Staleness.** A group generated with weights older than ``version - max_staleness`` (by the
 oldest version of any of its tokens) is not trained on: its item is queued again, to be rolled
@@ -169,8 +173,9 @@ class RolloutQueue:
     def take(self, lane: str, n: int, *, stop: threading.Event | None = None,
              timeout_s: float | None = None) -> Taken:
         """The ``n`` buffered groups of ``lane`` earliest in draw order, once there are that
-        many; or, as soon as it is known, the shortfall: ``n`` minus the groups buffered and
-        the items still queued or in flight (items were filtered or dropped). Raises
+        many; or the shortfall: ``n`` minus the groups buffered and the items still queued or
+        in flight (items were filtered or dropped), as soon as it is known, or in a
+        reproducible lane once nothing is queued or in flight (see the module). Raises
         InterruptedError when ``stop`` is set or the queue is closed, TimeoutError after
         ``timeout_s``."""
         if n < 1:
@@ -184,8 +189,9 @@ class RolloutQueue:
                     groups = [buffered.pop(u) for u in uids]
                     self.counts["taken"] += n
                     return Taken(groups)
-                shortfall = n - len(buffered) - self._pending(lane)
-                if shortfall > 0:
+                pending = self._pending(lane)
+                shortfall = n - len(buffered) - pending
+                if shortfall > 0 and (pending == 0 or not self._lanes[lane].reproducible):
                     return Taken([], shortfall)
                 if self._closed or (stop is not None and stop.is_set()):
                     raise InterruptedError("stopped while waiting for rollout groups")
@@ -195,13 +201,17 @@ class RolloutQueue:
                 self._cond.wait(timeout=0.5)
 
     def unfinished(self, lane: str = TRAIN) -> list[WorkItem]:
-        """Every item of ``lane`` queued, in flight or buffered, in draw order: one consistent
-        snapshot for a checkpoint (nothing drawn is lost on a restart)."""
+        """Every item of ``lane`` queued, in flight or buffered, or filtered or dropped but not
+        yet drained by the run loop (not in any audit record yet), in draw order: one
+        consistent snapshot for a checkpoint (nothing drawn is lost on a restart; a resumed
+        run rolls them out again, and a synchronous one filters or drops them again)."""
         with self._cond:
             items = [i for unit in self._units[lane] for i in unit]
             items += [i for f in self._inflight.values() if f.lane.name == lane
                       for i in f.pending()]
             items += [g.item for g in self._buffered[lane].values()]
+            items += [g.item for g in self._events.filtered if g.item.lane == lane]
+            items += [i for i, _ in self._events.dropped if i.lane == lane]
         return sorted(items, key=lambda i: i.seq)
 
     def outstanding(self, lane: str = TRAIN) -> int:
@@ -210,17 +220,17 @@ class RolloutQueue:
             return self._pending(lane) + len(self._buffered[lane])
 
     def drain_events(self, lane: str | None = None) -> Events:
-        """The events since the last drain (of ``lane`` only, leaving the others')."""
+        """The events since the last drain (of ``lane`` only, leaving the others'), each kind
+        in draw order (not in the order requests happened to end)."""
         with self._cond:
-            if lane is None:
-                events, self._events = self._events, Events()
-                return events
             mine, rest = Events(), Events()
             for group in self._events.filtered:
-                (mine if group.item.lane == lane else rest).filtered.append(group)
+                (mine if lane in (None, group.item.lane) else rest).filtered.append(group)
             for item, reason in self._events.dropped:
-                (mine if item.lane == lane else rest).dropped.append((item, reason))
+                (mine if lane in (None, item.lane) else rest).dropped.append((item, reason))
             self._events = rest
+            mine.filtered.sort(key=lambda g: g.item.seq)
+            mine.dropped.sort(key=lambda d: d[0].seq)
             return mine
 
     def close(self) -> None:
@@ -341,8 +351,33 @@ class RolloutQueue:
 
     @staticmethod
     def _cut(lane: Lane, items: list[WorkItem]) -> list[list[WorkItem]]:
-        size = lane.request_size or 1
-        return [items[i:i + size] for i in range(0, len(items), size)]
+        """Units for ``items``: singletons in an adaptive lane (claims merge them); in a
+        reproducible one, restored items keep the unit they had, new ones are cut in draw
+        order into units of ``request_size`` named by their first item."""
+        if not lane.reproducible:
+            return [[i] for i in items]
+        units: list[list[WorkItem]] = []
+        new: list[WorkItem] = []
+
+        def cut_new():
+            for k in range(0, len(new), lane.request_size):
+                unit = new[k:k + lane.request_size]
+                for item in unit:
+                    item.unit = unit[0].seq
+                units.append(unit)
+            new.clear()
+
+        for item in items:
+            if item.unit is None:
+                new.append(item)
+                continue
+            cut_new()
+            if units and units[-1][0].unit == item.unit:
+                units[-1].append(item)
+            else:
+                units.append([item])
+        cut_new()
+        return units
 
     def _min_version(self, lane: Lane) -> int:
         return self.version - lane.max_staleness
@@ -373,6 +408,7 @@ class RolloutQueue:
         """Too old to train on: first in line again (in draw order), one per unit."""
         for group in sorted(groups, key=lambda g: g.item.seq, reverse=True):
             group.item.attempts += 1
+            group.item.unit = group.item.seq
             self._units[lane.name].appendleft([group.item])
             self.counts["stale_dropped"] += 1
 
@@ -382,6 +418,7 @@ class RolloutQueue:
         retry = []
         for item in items:
             item.refusals += 1
+            item.unit = item.seq  # alone from now on, also after a restore
             if item.refusals >= MAX_REFUSALS:
                 self._events.dropped.append((item, message))
                 self.counts["dropped_refused"] += 1

@@ -40,16 +40,21 @@ class WorkItem:
     lane: str = TRAIN
     attempts: int = 0  # times it was handed out again after a failure or a staleness drop
     refusals: int = 0  # times a sampler refused it as invalid (dropped at the second)
+    # A reproducible lane's request unit: the draw number of the unit's first item. Saved with
+    # a checkpoint so a resumed run sends the same requests (None: not cut into a unit yet).
+    unit: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"uid": self.uid, "row": self.row, "seq": self.seq, "seed": self.seed,
-                "lane": self.lane, "attempts": self.attempts, "refusals": self.refusals}
+                "lane": self.lane, "attempts": self.attempts, "refusals": self.refusals,
+                "unit": self.unit}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkItem:
         return cls(uid=d["uid"], row=d["row"], seq=int(d.get("seq", 0)),
                    seed=int(d.get("seed", 0)), lane=d.get("lane", TRAIN),
-                   attempts=int(d.get("attempts", 0)), refusals=int(d.get("refusals", 0)))
+                   attempts=int(d.get("attempts", 0)), refusals=int(d.get("refusals", 0)),
+                   unit=None if d.get("unit") is None else int(d["unit"]))
 
 
 @dataclass
