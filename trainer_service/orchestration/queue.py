@@ -201,23 +201,20 @@ class RolloutQueue:
                 self._cond.wait(timeout=0.5)
 
     def unfinished(self, lane: str = TRAIN) -> list[WorkItem]:
-        """Every item of ``lane`` queued, in flight or buffered, or filtered or dropped but not
-        yet drained by the run loop (not in any audit record yet), in draw order: one
-        consistent snapshot for a checkpoint (nothing drawn is lost on a restart; a resumed
-        run rolls them out again, and a synchronous one filters or drops them again)."""
+        """Every item of ``lane`` the run loop has not accounted for, in draw order: queued, in
+        flight or buffered, or filtered or dropped but not yet drained (so in no audit record
+        yet). One consistent snapshot for a checkpoint: nothing drawn is lost on a restart; a
+        resumed run rolls them out again, and a synchronous one filters or drops them again."""
         with self._cond:
-            items = [i for unit in self._units[lane] for i in unit]
-            items += [i for f in self._inflight.values() if f.lane.name == lane
-                      for i in f.pending()]
-            items += [g.item for g in self._buffered[lane].values()]
-            items += [g.item for g in self._events.filtered if g.item.lane == lane]
-            items += [i for i, _ in self._events.dropped if i.lane == lane]
-        return sorted(items, key=lambda i: i.seq)
+            return sorted(self._unfinished(lane), key=lambda i: i.seq)
 
     def outstanding(self, lane: str = TRAIN) -> int:
-        """Items of ``lane`` not done yet: queued, in flight or buffered."""
+        """How many items :meth:`unfinished` lists. An item filtered but not yet drained
+        counts: the loop draws its replacement when it learns of the shortfall from
+        :meth:`take`, never ahead of it (how far filtering had got would decide which draws
+        go out together)."""
         with self._cond:
-            return self._pending(lane) + len(self._buffered[lane])
+            return len(self._unfinished(lane))
 
     def drain_events(self, lane: str | None = None) -> Events:
         """The events since the last drain (of ``lane`` only, leaving the others'), each kind
@@ -384,6 +381,13 @@ class RolloutQueue:
 
     def _stale(self, lane: Lane, group: RolloutGroup) -> bool:
         return self.version - group.weight_version > lane.max_staleness
+
+    def _unfinished(self, lane: str) -> list[WorkItem]:
+        items = [i for unit in self._units[lane] for i in unit]
+        items += [i for f in self._inflight.values() if f.lane.name == lane for i in f.pending()]
+        items += [g.item for g in self._buffered[lane].values()]
+        items += [g.item for g in self._events.filtered if g.item.lane == lane]
+        return items + [i for i, _ in self._events.dropped if i.lane == lane]
 
     def _pending(self, lane: str) -> int:
         queued = sum(len(u) for u in self._units[lane])
