@@ -1,5 +1,6 @@
-import sys
+"""``python -m splitrl``: the same entry as the ``splitrl`` executable (the launcher starts
+every service this way)."""
 
-from splitrl.cli import main
+from splitrl.cli import entry
 
-sys.exit(main())
+entry()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -339,8 +340,10 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = _parse(parser, argv)
+    return _run(_parse(build_parser(), argv))
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         result = args.func(args)
     except ConfigError as e:
@@ -351,5 +354,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return int(result or 0)
 
 
+# Commands whose process has closed everything it owns when the command returns (checkpoints
+# written, exports and metrics flushed, trackers finished, servers stopped, the services a
+# launcher started waited for): the process then leaves without the interpreter's teardown.
+# jax's exit hook (clear every backend and compilation cache) and the finalisation of a process
+# holding jax, flax, XLA's client (or, in the launcher, torch and transformers) took 1-3 s per
+# process here, on memory the OS frees at once; `splitrl up` waits for every service.
+NO_TEARDOWN = frozenset({"trainer", "sampler", "up", "demo"})
+
+
+def entry() -> None:
+    """The ``splitrl`` executable and ``python -m splitrl`` (the launcher starts services so).
+    In-process callers use :func:`main`, which returns."""
+    args = _parse(build_parser(), None)
+    code = _run(args)
+    if args.command in NO_TEARDOWN:
+        logging.shutdown()  # flush every handler; stdout and stderr below
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -163,6 +163,52 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
                                                                   local_files_only=local)
 
 
+# What AutoTokenizer's choice of class depends on, besides the transformers version.
+_CLASS_INPUTS = ("tokenizer_config.json", "config.json", "tokenizer.json",
+                 "special_tokens_map.json")
+_CLASS_CACHE = "tokenizer-classes.json"
+
+
+def _class_key(model_dir: str | os.PathLike) -> str | None:
+    """Names what AutoTokenizer's choice for ``model_dir`` depends on: the transformers
+    version and the bytes of the files it reads. None for a hub name."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        return None
+    try:
+        digest = hashlib.sha256(f"transformers {version('transformers')}".encode())
+    except PackageNotFoundError:
+        return None
+    for name in _CLASS_INPUTS:
+        path = directory / name
+        if path.is_file():
+            digest.update(f"\0{name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def remembered_tokenizer_class(model_dir: str | os.PathLike) -> str | None:
+    """The class AutoTokenizer chose for this checkpoint's tokenizer files under this
+    transformers version, if a launcher resolved it before (:func:`remember_tokenizer_class`);
+    else None. Resolving costs a torch import (~3 s); reading this, a hash of a few files."""
+    from splitrl.user_cache import read_json
+
+    key = _class_key(model_dir)
+    name = read_json(_CLASS_CACHE).get(key) if key is not None else None
+    return name if isinstance(name, str) and name.isidentifier() else None
+
+
+def remember_tokenizer_class(model_dir: str | os.PathLike, name: str) -> None:
+    from splitrl.user_cache import update_json
+
+    key = _class_key(model_dir)
+    if key is not None:
+        update_json(_CLASS_CACHE, key, name)
+
+
 def tokenizer_class_named(name: str) -> type:
     """The tokenizer class `transformers` exports as ``name``; ValueError if there is none."""
     import transformers

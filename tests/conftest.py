@@ -21,6 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # e2e tests start many sampler/trainer processes that compile the same programs.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# SplitRL's own cache (splitrl/user_cache.py) stays inside the checkout too, never in ~/.cache.
+os.environ.setdefault("SPLITRL_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "splitrl"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 SHARED_DATA = (REPO_ROOT.parent / "shared" / "data").resolve()
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from splitrl.config import Config, MeshConfig, dump_config
 from splitrl.retry import wait_until
 from splitrl.serving import LAUNCHER_PID_ENV, check_health, make_channel
+from splitrl.user_cache import cache_dir
 from trainer_service.orchestration.evaluation import accuracy_line
 from trainer_service.service_logs import LogFollower, error_lines
 
@@ -93,8 +94,7 @@ class Launcher:
         env.setdefault("HF_DATASETS_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         # Every service compiles the same programs run after run: keep them on disk.
-        env.setdefault("JAX_COMPILATION_CACHE_DIR",
-                       str(Path.home() / ".cache" / "splitrl" / "xla"))
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "xla"))
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
         env["PYTHONUNBUFFERED"] = "1"
         env[LAUNCHER_PID_ENV] = str(os.getpid())  # services stop when this process is gone
@@ -297,8 +297,8 @@ def check_data(cfg: Config) -> str | None:
     quiet = logging.getLogger("trainer_service.orchestration.prompt_length")
     level, quiet.level = quiet.level, logging.ERROR  # the summary below says it once
     try:
-        tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
-        pin_tokenizer_class(cfg, tokenizer)
+        tokenizer = pin_tokenizer_class(cfg) or load_tokenizer(cfg.model.path,
+                                                               cfg.model.tokenizer_class)
         stream = PromptStream.for_run(cfg, tokenizer=tokenizer)
     except (ValueError, OSError) as e:
         return str(e)
@@ -313,25 +313,39 @@ def check_data(cfg: Config) -> str | None:
     return None
 
 
-def pin_tokenizer_class(cfg: Config, tokenizer=None) -> None:
+def pin_tokenizer_class(cfg: Config):
     """Sets ``model.tokenizer_class`` (when the config leaves it null) to the class
     AutoTokenizer chooses for the model, so every service this launcher starts loads that
     class directly: the same tokenizer, without the torch import that AutoTokenizer's class
-    resolution costs each process (``splitrl.tokenizer.load_tokenizer``). Resolved once, here.
-    Left null for a model directory without a tokenizer or a tokenizer class from the
-    checkpoint's own code; the services then decide as before."""
-    from splitrl.tokenizer import exported_class_name, has_tokenizer, load_tokenizer
+    resolution costs each process (``splitrl.tokenizer.load_tokenizer``). Resolved once, here,
+    and remembered for these tokenizer files (``splitrl.tokenizer.remembered_tokenizer_class``),
+    so the next launch does not import torch either. Left null for a model directory without
+    a tokenizer or a tokenizer class from the checkpoint's own code; the services then decide
+    as before. Returns the tokenizer when resolving loaded it, else None."""
+    from splitrl.tokenizer import (
+        exported_class_name,
+        has_tokenizer,
+        load_tokenizer,
+        remember_tokenizer_class,
+        remembered_tokenizer_class,
+    )
 
+    path = cfg.model.path
     if cfg.model.tokenizer_class is not None:
-        return
-    if tokenizer is None:
-        if Path(cfg.model.path).is_dir() and not has_tokenizer(cfg.model.path):
-            return
-        try:
-            tokenizer = load_tokenizer(cfg.model.path)
-        except (ValueError, OSError):
-            return  # the services report it, each in its own terms
+        return None
+    if Path(path).is_dir() and not has_tokenizer(path):
+        return None
+    cfg.model.tokenizer_class = remembered_tokenizer_class(path)
+    if cfg.model.tokenizer_class is not None:
+        return None
+    try:
+        tokenizer = load_tokenizer(path)
+    except (ValueError, OSError):
+        return None  # the services report it, each in its own terms
     cfg.model.tokenizer_class = exported_class_name(tokenizer)
+    if cfg.model.tokenizer_class is not None:
+        remember_tokenizer_class(path, cfg.model.tokenizer_class)
+    return tokenizer
 
 
 def say(message: str) -> None:

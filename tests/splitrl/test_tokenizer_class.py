@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -71,3 +72,38 @@ def test_the_launcher_pins_the_class_in_the_launch_config(arith_model, tmp_path)
     chosen = run_config(arith_model, tmp_path / "run2", "model.tokenizer_class=TokenizersBackend")
     launched = yaml.safe_load(Launcher(chosen).config_path.read_text())
     assert launched["model"]["tokenizer_class"] == "TokenizersBackend"  # the user's choice stays
+
+
+def test_the_chosen_class_is_remembered_so_the_next_launch_skips_torch(arith_model, tmp_path,
+                                                                      monkeypatch):
+    from tests.e2e.harness import run_config
+    from trainer_service.launcher import pin_tokenizer_class
+
+    monkeypatch.setenv("SPLITRL_CACHE_DIR", str(tmp_path / "cache"))
+    assert tk.remembered_tokenizer_class(arith_model) is None
+    cfg = run_config(arith_model, tmp_path / "run")
+    assert pin_tokenizer_class(cfg) is not None  # resolved by AutoTokenizer: it loaded one
+    chosen = cfg.model.tokenizer_class
+    assert tk.remembered_tokenizer_class(arith_model) == chosen
+    # A new launcher process pins the same class without importing torch.
+    code = ("import sys\n"
+            "from tests.e2e.harness import run_config\n"
+            "from trainer_service.launcher import pin_tokenizer_class\n"
+            f"cfg = run_config({str(arith_model)!r}, {str(tmp_path / 'run2')!r})\n"
+            "assert pin_tokenizer_class(cfg) is None\n"
+            "print(cfg.model.tokenizer_class, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [chosen, "False"]
+    # Other tokenizer files (or another transformers) are another key: resolved again.
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for f in arith_model.iterdir():
+        if f.is_file():
+            (edited / f.name).write_bytes(f.read_bytes())
+    config = edited / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"padding_side": "left"',
+                                                 '"padding_side": "right"'))
+    assert tk.remembered_tokenizer_class(edited) is None
