@@ -242,6 +242,7 @@ class Launcher:
         follower = LogFollower({n: self.log_dir / f"{n}.log" for n in self.procs})
         reported: set[str] = set()
         phases = PhaseReporter(bar.write)
+        plots_loader = None
 
         def show_errors() -> None:
             for line in follower.new_errors():
@@ -266,6 +267,8 @@ class Launcher:
                     continue
                 metrics = status.last_metrics
                 phases.observe(status.state, status.step)
+                if status.state == "training" and plots_loader is None:
+                    plots_loader = _load_plotting_in_background()
                 bar.n = status.step
                 bar.set_postfix(
                     state=status.state,
@@ -465,6 +468,23 @@ def _plot(run_dir: Path) -> None:
         plot(str(run_dir))
     except Exception as e:  # plots are a convenience; never fail the run on them
         say(f"(plots skipped: {e})")
+
+
+def _load_plotting_in_background() -> threading.Thread:
+    """Import matplotlib in a thread while the run trains (a synchronous run keeps about one
+    core busy, the sampler or the trainer), so plotting at the end only draws."""
+
+    def load():
+        try:
+            from trainer_service.plots import load_matplotlib
+
+            load_matplotlib()
+        except Exception:  # _plot reports it at the end, if plotting fails
+            pass
+
+    thread = threading.Thread(target=load, name="plots-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def _plot_in_background(run_dir: Path) -> threading.Thread | None:

@@ -35,11 +35,20 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return records
 
 
-def plot_run(run_dir: str | Path) -> list[Path]:
+def load_matplotlib():
+    """matplotlib's pyplot on the Agg backend (files only, no display). Its import is about
+    half of what plotting a run costs: `splitrl up` calls this while the run trains, so
+    only the drawing is left when it ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    plt = load_matplotlib()
 
     records = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"
