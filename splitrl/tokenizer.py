@@ -171,7 +171,8 @@ _CLASS_CACHE = "tokenizer-classes.json"
 
 def _class_key(model_dir: str | os.PathLike) -> str | None:
     """Names what AutoTokenizer's choice for ``model_dir`` depends on: the transformers
-    version and the bytes of the files it reads. None for a hub name."""
+    version, which files the directory holds (a ``tokenizer.model`` or ``vocab.json`` beside
+    the others may change it) and the bytes of the files it reads. None for a hub name."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
@@ -182,6 +183,7 @@ def _class_key(model_dir: str | os.PathLike) -> str | None:
         digest = hashlib.sha256(f"transformers {version('transformers')}".encode())
     except PackageNotFoundError:
         return None
+    digest.update("\0".join(sorted(p.name for p in directory.iterdir())).encode())
     for name in _CLASS_INPUTS:
         path = directory / name
         if path.is_file():

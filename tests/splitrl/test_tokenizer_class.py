@@ -107,3 +107,7 @@ def test_the_chosen_class_is_remembered_so_the_next_launch_skips_torch(arith_mod
     config.write_text(config.read_text().replace('"padding_side": "left"',
                                                  '"padding_side": "right"'))
     assert tk.remembered_tokenizer_class(edited) is None
+    pin_tokenizer_class(run_config(edited, tmp_path / "run3"))
+    assert tk.remembered_tokenizer_class(edited) == chosen
+    (edited / "vocab.json").write_text("{}")  # another file AutoTokenizer may look at
+    assert tk.remembered_tokenizer_class(edited) is None
