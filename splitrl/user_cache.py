@@ -42,12 +42,15 @@ def update_json(name: str, key: str, value: Any) -> None:
     (read-only home) is skipped."""
     data = read_json(name)
     data[key] = value
+    directory = cache_dir()
     try:
-        directory = cache_dir()
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
+    except OSError:
+        return
+    try:
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
         os.replace(tmp, directory / name)
-    except OSError:
-        pass
+    except OSError:  # e.g. the disk is full: leave no half-written temporary file behind
+        Path(tmp).unlink(missing_ok=True)
