@@ -64,9 +64,11 @@ def test_entrypoint_is_the_splitrl_cli_and_the_default_command_parses():
     cmd = json.loads(next(rest for op, rest in final if op == "CMD"))
     assert entry == ["splitrl"]
     assert cmd == ["--help"]
+    # The executable the image runs is the same entry as ``python -m splitrl`` (the launcher's).
     assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"][
         "splitrl"
-    ] == "splitrl.cli:main"
+    ] == "splitrl.cli:entry"
+    assert "from splitrl.cli import entry" in (REPO / "splitrl" / "__main__.py").read_text()
 
 
 def test_runs_as_a_fixed_non_root_user_that_owns_the_volume_mount_points():
