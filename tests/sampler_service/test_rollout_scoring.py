@@ -1,0 +1,55 @@
+"""How a Rollout batches finished groups into Score calls (``RolloutWorker._scored_as_finished``).
+
+The engine's events go through the same queue the real request uses; only the scoring itself is
+replaced by a recorder (the reward service is the subject of other tests)."""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from sampler_service.requests import FinishedGroup, GeneratedSequence
+from sampler_service.rollout import RequestError, RolloutWorker
+from splitrl.v1 import sampler_pb2
+
+
+class RecordingWorker(RolloutWorker):
+    """The worker's streaming logic, with a scorer that records which groups each call got."""
+
+    def __init__(self):  # none of the engine, weights or tokenizer is needed here
+        self._scorer = ThreadPoolExecutor(1)
+        self.calls: list[list[int]] = []
+
+    def _score_groups(self, request, prompts, finished):
+        self.calls.append([g.index for g in finished])
+        return [sampler_pb2.ScoredGroup(prompt_id=str(g.index)) for g in finished]
+
+
+def finished(index: int) -> FinishedGroup:
+    return FinishedGroup(index, [GeneratedSequence([1, 2], [-0.1, -0.2], "length", (0,))],
+                         queue_s=0.0, generate_s=0.01)
+
+
+def test_groups_that_finish_together_are_scored_in_one_call():
+    worker = RecordingWorker()
+    events = queue.SimpleQueue()
+    for i in range(4):  # one decode segment finishes every group of the request
+        events.put(finished(i))
+    events.put(None)
+    out = list(worker._scored_as_finished(None, [object()] * 4, events))
+    assert [g.prompt_id for g in out] == ["0", "1", "2", "3"]
+    assert worker.calls == [[0, 1, 2, 3]]
+
+
+def test_an_engine_that_stops_before_the_groups_finish_is_unavailable():
+    worker = RecordingWorker()
+    events = queue.SimpleQueue()
+    events.put(finished(0))
+    events.put(None)
+    with pytest.raises(RequestError) as e:
+        list(worker._scored_as_finished(None, [object()] * 2, events))
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert worker.calls == [[0]]
