@@ -336,12 +336,21 @@ class Scheduler:
             self.stats["cache_resizes"] += 1
 
     def _segment_need(self, row: _Row) -> int:
-        """Slots a row may fill by the end of the next segment."""
+        """Slots a row may fill by the end of the next segment; by its end for the rows of an
+        exclusive request. Those run alone, so nothing else will share the cache: laying it
+        out once for the request's whole generation runs every segment on one decode program
+        (a growing cache takes one per width bucket it passes: on the peers' workload, 32 new
+        tokens after a 12-token prompt, two programs, ~2.4 s more of compilation on a cold
+        start, and a re-layout of the cache between the segments of every step). The cost, a
+        wider attention in the first segments, is what `lower` already plans for."""
         if row.done:
             return max(row.length, 1)
         length = row.length or row.prompt_len
         generated = len(row.tokens) or 1
-        return length + min(self.segment_steps, row.max_new - generated)
+        left = row.max_new - generated
+        if self.session is None:
+            left = min(self.segment_steps, left)
+        return length + left
 
     # ------------------------------------------------------------------ prefill + admit
 

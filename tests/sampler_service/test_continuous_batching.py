@@ -269,3 +269,31 @@ def test_an_exclusive_request_keeps_its_weights_when_its_rows_all_end_together(s
     run_until_idle(engine)
     assert [s.weight_versions for (s,) in x.result()] == [(1,), (1,), (1,)]
     assert later.result()[0][0].weight_versions == (2,)
+
+
+def _widths_per_segment(engine, request) -> list[int]:
+    widths = []
+    while not request.finished:
+        engine.scheduler.step()
+        if engine.scheduler.rows:
+            widths.append(engine.scheduler.cache.shape.width)
+    return widths
+
+
+def test_an_exclusive_request_lays_out_the_cache_once_for_its_whole_generation(setup):
+    model, mesh, state = setup
+    pinned = PinnedWeights(0, state)
+    tokens, widths, resizes = {}, {}, {}
+    for exclusive in (True, False):
+        engine, _ = make_engine(model, mesh, max_batch_size=2, max_sequence_length=64)
+        # 2-token prompt, 40 new tokens in segments of 4: shared, the cache grows from 32
+        # slots (the narrowest) to 64; an exclusive request runs alone, so its cache is 64
+        # wide from its first segment and one decode program serves all its segments.
+        request = queue(engine, [[30, 31]], greedy(40), weights=pinned, exclusive=exclusive)
+        widths[exclusive] = _widths_per_segment(engine, request)
+        resizes[exclusive] = engine.stats["cache_resizes"]
+        (seq,), = request.result()
+        tokens[exclusive] = seq.token_ids
+    assert set(widths[True]) == {64} and resizes[True] == 1  # the first layout only
+    assert widths[False][0] == 32 and widths[False][-1] == 64 and resizes[False] == 2
+    assert tokens[True] == tokens[False] and len(tokens[True]) == 40
