@@ -370,13 +370,18 @@ class RolloutWorker:
         scoring, ended, remaining = False, False, len(prompts)
         while remaining:
             for event in _available(events):
-                if isinstance(event, Future):
+                if isinstance(event, FinishedGroup):
+                    self._record(event)
+                    waiting.append(event)
+                elif isinstance(event, Future):
                     scoring = False
                     scored = event.result()  # a RequestError from the reward service propagates
                     remaining -= len(scored)
                     yield from scored
-                else:
-                    ended = self._take(event, waiting) or ended
+                elif isinstance(event, BaseException):
+                    raise self._engine_error(event)
+                else:  # None: the engine is done with the request
+                    ended = True
             if waiting and not scoring:
                 future = self._scorer.submit(self._score_groups, request, prompts, waiting)
                 future.add_done_callback(events.put)
@@ -384,17 +389,6 @@ class RolloutWorker:
             if ended and remaining and not scoring:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, "the sampler stopped before "
                                    "the request finished")
-
-    def _take(self, event, waiting: list[FinishedGroup]) -> bool:
-        """One event of the engine: a finished group joins ``waiting``; True when the engine
-        is done with the request; an engine error raises."""
-        if isinstance(event, FinishedGroup):
-            self._record(event)
-            waiting.append(event)
-            return False
-        if isinstance(event, BaseException):
-            raise self._engine_error(event)
-        return True  # None: the engine is done with the request
 
     def _score_groups(self, request, prompts: list[PreparedPrompt],
                       finished: list[FinishedGroup]) -> list[sampler_pb2.ScoredGroup]:
