@@ -19,17 +19,15 @@ from pathlib import Path
 import crc32c
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from safetensors import safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file
 
 from splitrl.models.config import TransformerConfig
 from splitrl.models.params import (
-    hf_from_state,
+    hf_state_dict,
     import_tensor,
     model_from_state,
     state_from_hf,
-    to_torch_layout,
 )
 from splitrl.models.transformer import CausalLM
 
@@ -63,7 +61,7 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=N
     flat = {}
     try:
         for file, names in _weight_files(Path(path)).items():
-            with safe_open(str(file), framework="flax") as f:
+            with safe_open(str(file), framework="numpy") as f:
                 for name in names if names is not None else f.keys():
                     if not _ignored(config, name):
                         flat[name] = import_tensor(config, name, f.get_tensor(name),
@@ -85,10 +83,7 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
     """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = hf_from_state(nnx.state(model, nnx.Param))
-    if dtype is not None:
-        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    tensors = {k: to_torch_layout(k, v) for k, v in tensors.items()}
+    tensors = hf_state_dict(model, dtype)  # host arrays: written from the host anyway
     stored = jnp.dtype(next(iter(tensors.values())).dtype).name
     config = model.config
     (out / "config.json").write_text(json.dumps(config.to_hf_dict(stored), indent=2) + "\n")

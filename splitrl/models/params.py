@@ -139,7 +139,15 @@ def import_tensor(config: TransformerConfig, name: str, tensor, *, param_dtype=N
         if tuple(tensor.shape) != want:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {want}")
-    tensor = from_torch_layout(name, jnp.asarray(tensor))
+    if isinstance(tensor, np.ndarray) and jax.default_backend() == "cpu":
+        # CPU devices are host memory: a numpy transpose and cast cost the same copy as XLA's,
+        # without compiling one small program per tensor shape (`jnp.asarray` stages the array
+        # through a program, and so does `.T`) in every process that loads the model.
+        host = from_torch_layout(name, tensor)
+        if param_dtype is not None:
+            host = host.astype(param_dtype)
+        return jax.device_put(np.ascontiguousarray(host), sharding, may_alias=False)
+    tensor = from_torch_layout(name, jax.device_put(tensor))
     if param_dtype is not None:
         tensor = tensor.astype(param_dtype)
     return tensor if sharding is None else jax.device_put(tensor, sharding)
@@ -182,7 +190,7 @@ def hf_state_dict(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
     for name, value in hf_from_state(nnx.state(model, nnx.Param)).items():
         if dtype is not None:
             value = value.astype(dtype)
-        out[name] = np.asarray(jax.device_get(to_torch_layout(name, value)))
+        out[name] = np.ascontiguousarray(to_torch_layout(name, np.asarray(jax.device_get(value))))
     return out
 
 

@@ -176,14 +176,18 @@ class Learner:
         self.ref_params: Params | None = None
         if algorithm.beta > 0 and lora is None:
             source = flat if reference is None else hf_from_state(nnx.state(reference, nnx.Param))
-            self.ref_params = self._place(
-                jax.tree.map(jnp.array, source) if not self.abstract else source,
-                self.param_shardings,  # a copy, never updated
-            )
+            self.ref_params = (  # a copy, never updated; one program for every tensor
+                self._place(source, self.param_shardings) if self.abstract else
+                jax.jit(lambda t: jax.tree.map(jnp.copy, t),
+                        out_shardings=self.param_shardings)(source))
 
         self._opt_shardings = self._optimizer_shardings()
-        init = jax.eval_shape if self.abstract else lambda f, x: f(x)
-        self.opt_state = self._place(init(self.tx.init, self.params), self._opt_shardings)
+        if self.abstract:
+            self.opt_state = self._place(jax.eval_shape(self.tx.init, self.params),
+                                         self._opt_shardings)
+        else:  # one program, not one per parameter shape and operation
+            self.opt_state = jax.jit(self.tx.init, out_shardings=self._opt_shardings)(
+                self.params)
         # Hashable static descriptions: learners with equal settings share compiled steps.
         self._spec = _ForwardSpec(self._graphdef, self.config, logprob_chunk_size, temperature,
                                   lora)
@@ -276,7 +280,9 @@ class Learner:
         first_epoch = old is None
         old = [None] * len(micro_batches) if first_epoch else old
         for i, mb in enumerate(micro_batches):
-            placeholder = jnp.zeros_like(mb["sampler_logprobs"][:, 1:])
+            sampler = mb["sampler_logprobs"]  # the placeholder: made on the host, no program
+            placeholder = jax.device_put(np.zeros((sampler.shape[0], sampler.shape[1] - 1),
+                                                  np.float32), sampler.sharding)
             grads, logp, m = _grad_step(
                 self._spec, self._settings, grads, self.base_params, self.params, mb,
                 placeholder if first_epoch else old[i], first_epoch, ref[i], counts,
