@@ -216,13 +216,13 @@ def main() -> None:
                                    completions=completions, weight_version=0, sampler_id=""))
 
     def learner_step():
-        batch = build_train_batch(scored, cfg.algorithm, pad_id=0)
+        batch = build_train_batch(scored, cfg.algorithm, pad_id=0, longest=length)
         return learner.train_step(batch)
 
-    batch = build_train_batch(scored, cfg.algorithm, pad_id=0)
+    batch = build_train_batch(scored, cfg.algorithm, pad_id=0, longest=length)
     wall, cpu = timed(learner_step, args.repeats)
     print(f"learner    {wall * 1e3:8.1f} ms (cpu {cpu * 1e3:7.1f} ms)  train step on "
-          f"{batch.tokens.shape[0]} x {batch.tokens.shape[1]} (bucketed from {length})")
+          f"{batch.tokens.shape[0]} x {batch.tokens.shape[1]} (rows of up to {length} tokens)")
     train_floor = parts["reference"][0][0] + parts["policy"][0][0]
     print(f"learner / (reference + policy) = {wall / train_floor:.2f}x; "
           f"floor + learner overhead = {(floor_wall + wall - train_floor) * 1e3:.1f} ms; "

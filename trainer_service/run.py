@@ -43,7 +43,7 @@ from splitrl.models import from_pretrained, param_shapes
 from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
-from trainer_service.learning.batching import bucket, build_train_batch
+from trainer_service.learning.batching import batch_length, build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer
 from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
@@ -165,7 +165,8 @@ class TrainerRun:
             raise
         metrics.update(self.data.length_metrics())
         if collected.groups:
-            batch = build_train_batch(collected.groups, self.cfg.algorithm, pad_id=self.pad_id)
+            batch = build_train_batch(collected.groups, self.cfg.algorithm, pad_id=self.pad_id,
+                                      longest=self._longest_row())
             metrics.update(self._update(batch))
         else:  # nothing with signal within the bounds: a step without an update
             self.step += 1
@@ -468,16 +469,24 @@ class TrainerRun:
         finally:
             self.close()
 
+    def _longest_row(self) -> int | None:
+        """The most tokens a train row can have: the longest train prompt (the length check
+        measured them all) plus the generation budget; None when not measured."""
+        report = self.data.length_reports.get("train")
+        if report is None or report.longest == 0:
+            return None
+        return report.longest + self.cfg.sampling.max_new_tokens
+
     def _start_warm_up(self) -> threading.Thread | None:
         """Compile the train step for the batch shape the first step will most likely have
         (every prompt's group, the longest prompt plus the full generation budget), in the
         background while the samplers start and generate, so the first step does not wait
         for the compiler. Single-process only (followers must make the same calls)."""
-        report = self.data.length_reports.get("train")
-        if self.hosts.multi or report is None or report.longest == 0:
+        longest = self._longest_row()
+        if self.hosts.multi or longest is None:
             return None
         rows = self.cfg.trainer.prompts_per_step * self.cfg.algorithm.group_size
-        length = bucket(report.longest + self.cfg.sampling.max_new_tokens)
+        length = batch_length(longest, longest)
 
         def run():
             try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from splitrl.config import AlgorithmConfig
-from trainer_service.learning.batching import bucket, build_train_batch
+from trainer_service.learning.batching import batch_length, bucket, build_train_batch
 from trainer_service.orchestration.membership import resolve_dns
 from trainer_service.orchestration.rollouts import Completion, RolloutGroup, WorkItem
 
@@ -45,6 +45,19 @@ def test_bucket_rounds_up_to_quarter_octaves():
     for n in range(1, 3000):  # never short, never more than 25% (or the minimum) padding
         assert n <= bucket(n) <= max(8, 1.25 * n)
     assert len({bucket(n) for n in range(1, 4097)}) == 37  # a few programs per run
+
+
+def test_batches_are_not_padded_past_the_longest_row_the_run_can_have():
+    # Prompts of at most 12 tokens and 32 new tokens: no row is longer than 44, so a full
+    # batch is 44 long (not bucket(44) = 48) and a shorter one keeps its bucket.
+    assert [batch_length(n, 44) for n in (30, 41, 44)] == [bucket(30), 44, 44]
+    assert batch_length(45, 44) == bucket(45)  # longer than "possible": never cut, bucketed
+    assert batch_length(44) == bucket(44)
+    groups = [group("a", 0, prompt=(5,) * 12, completion=(8,) * 32),
+              group("b", 0, prompt=(5,) * 9, completion=(9,) * 3)]
+    batch = build_train_batch(groups, AlgorithmConfig(), pad_id=0, longest=44)
+    assert batch.tokens.shape == (4, 44)
+    np.testing.assert_array_equal(batch.attention_mask.sum(-1), [44, 44, 12, 12])
 
 
 def test_dns_names_resolve_to_addresses_without_a_name_server():
