@@ -24,7 +24,7 @@ import math
 import queue
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -79,21 +79,29 @@ class RewardClient:
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
-    def check_reachable(self) -> None:
-        """Fail fast (before generating) when the reward service is down or not serving."""
-        try:
-            reply = self._health.Check(health_pb2.HealthCheckRequest(),
-                                       timeout=self.connect_timeout_s)
-        except grpc.RpcError as e:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"reward service at {self.address} (services.reward_address) is unavailable "
-                f"({e.code().name}: {e.details()}); rollouts cannot be scored") from None
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            raise RequestError(
-                grpc.StatusCode.UNAVAILABLE,
-                f"reward service at {self.address} is unavailable: its health status is "
-                f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    def check_reachable(self) -> Callable[[], None]:
+        """Ask the reward service's health now; the returned function waits for the answer and
+        raises UNAVAILABLE when the service is down or not serving. A request asks before its
+        generation starts and hears the answer while it runs: it still fails fast (the
+        generation is cancelled), without a round trip before every prefill."""
+        answer = self._health.Check.future(health_pb2.HealthCheckRequest(),
+                                           timeout=self.connect_timeout_s)
+
+        def confirm() -> None:
+            try:
+                reply = answer.result()
+            except grpc.RpcError as e:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"reward service at {self.address} (services.reward_address) is unavailable"
+                    f" ({e.code().name}: {e.details()}); rollouts cannot be scored") from None
+            if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"reward service at {self.address} is unavailable: its health status is "
+                    f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+
+        return confirm
 
     def score(self, items: list[reward_pb2.ScoreItem],
               functions: Sequence[str]) -> dict[str, reward_pb2.ItemScore]:
@@ -353,13 +361,14 @@ class RolloutWorker:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                "this sampler has no tokenizer (none in model.path); Rollout "
                                "needs one to decode completions for the reward service")
-        self.reward.check_reachable()
+        reachable = self.reward.check_reachable()
         events: queue.SimpleQueue = queue.SimpleQueue()
         handle = self.submit(prompts, options, group, exclusive=request.reproducible,
                              sink=events)
         if context is not None:
             context.add_callback(handle.cancel)
         try:
+            reachable()
             yield from self._scored_as_finished(request, prompts, events)
         finally:
             handle.cancel()
