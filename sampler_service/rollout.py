@@ -230,7 +230,7 @@ class RolloutWorker:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"{where}.{kinds[0]}: this sampler has no tokenizer (none in "
                                    "model.path); send token_ids")
-            from splitrl.tokenizer import encode_prompt, render_prompt
+            from splitrl.tokenizer import encode_rendered, render_prompt
 
             messages = None
             if kinds[0] == "messages":
@@ -248,7 +248,7 @@ class RolloutWorker:
                                    f"covers more than {self._longest_token} characters)")
             try:
                 text = render_prompt(self.tokenizer, text_in, messages)
-                ids = encode_prompt(self.tokenizer, text_in, messages)
+                ids = encode_rendered(self.tokenizer, text)  # rendered once, not twice
             except ValueError as e:
                 raise RequestError(_INVALID, f"{where}: {e}") from None
             if not ids:

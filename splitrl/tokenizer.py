@@ -269,7 +269,12 @@ def encode_prompt(tokenizer, text: str | None = None, messages: Sequence[dict] |
                   system_prompt: str | None = None, use_chat_template: bool = False) -> list[int]:
     """Token ids of a prompt (see `render_prompt`). Special tokens written in the rendered text
     (`<|im_start|>`...) become their ids; no BOS/EOS is added on top."""
-    rendered = render_prompt(tokenizer, text, messages, system_prompt, use_chat_template)
+    return encode_rendered(tokenizer, render_prompt(tokenizer, text, messages, system_prompt,
+                                                    use_chat_template))
+
+
+def encode_rendered(tokenizer, rendered: str) -> list[int]:
+    """Token ids of a prompt already rendered by `render_prompt`."""
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
