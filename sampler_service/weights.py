@@ -122,7 +122,7 @@ class PushSession:
         self.store = store
         self.header = header
         self.started = time.perf_counter()
-        served = hf_from_state(store._state) if header.base_id else {}
+        served = store._flat if header.base_id else {}  # the push lock keeps it current
         self._served = served
         # An adapter push: the adapters' factors, whole, on the host until finish() merges.
         self.lora = (wire.spec_from_header(header.lora, store.config)
@@ -241,7 +241,7 @@ class PushSession:
                                 f"the sender of push version {header.version} went away (it "
                                 "cancelled, disconnected or passed its deadline) before the "
                                 f"swap; not applied, version {store._version} still serving")
-            store._version, store._state = header.version, state
+            store._version, store._state, store._flat = header.version, state, self.staged
             store._weights_id = header.push_id
             store._generation += 1
         end = time.perf_counter()
@@ -306,6 +306,7 @@ class WeightStore:
         self._version = version
         self._weights_id = ""  # the push_id of the served weights; "" = the checkpoint's
         self._state = state
+        self._flat = flat  # the served arrays by name (the leaves of _state), swapped with it
         self._digests: tuple[int, dict[str, str]] | None = None
         self._generation = 0  # swaps so far
         # The checkpoint's weights, kept for adapter pushes (keep_base), and their fingerprint.
@@ -331,7 +332,7 @@ class WeightStore:
             if self._weights_id or self._generation:
                 raise RuntimeError("keep_base() must be called before any push: the base is "
                                    "the checkpoint's weights")
-            self._base = hf_from_state(self._state)
+            self._base = dict(self._flat)
             self.base_fingerprint = fingerprint
 
     # -- serving side ---------------------------------------------------------------------------
@@ -359,9 +360,8 @@ class WeightStore:
         digest iff the weights are bitwise equal.
         """
         with self._lock:
-            generation, state = self._generation, self._state
-        flat = hf_from_state(state)
-        digests = self._digests_of(generation, state) if include_digests else {}
+            generation, flat = self._generation, self._flat
+        digests = self._digests_of(generation, flat) if include_digests else {}
         infos = []
         for name in sorted(flat):
             array = flat[name]
@@ -375,16 +375,15 @@ class WeightStore:
     def digests(self) -> dict[str, str]:
         """``{name: array_digest}`` of the serving weights (cached per swapped-in state)."""
         with self._lock:
-            generation, state = self._generation, self._state
-        return self._digests_of(generation, state)
+            generation, flat = self._generation, self._flat
+        return self._digests_of(generation, flat)
 
-    def _digests_of(self, generation: int, state: nnx.State) -> dict[str, str]:
+    def _digests_of(self, generation: int, flat: Mapping[str, jax.Array]) -> dict[str, str]:
         # Keyed by swap count, not version: a reset push may repeat a version.
         cached = self._digests
         if cached is not None and cached[0] == generation:
             return cached[1]
-        out = {n: wire.array_digest(np.asarray(jax.device_get(a)))
-               for n, a in hf_from_state(state).items()}
+        out = {n: wire.array_digest(np.asarray(jax.device_get(a))) for n, a in flat.items()}
         self._digests = (generation, out)
         return out
 
