@@ -280,12 +280,9 @@ class Learner:
         first_epoch = old is None
         old = [None] * len(micro_batches) if first_epoch else old
         for i, mb in enumerate(micro_batches):
-            sampler = mb["sampler_logprobs"]  # the placeholder: made on the host, no program
-            placeholder = jax.device_put(np.zeros((sampler.shape[0], sampler.shape[1] - 1),
-                                                  np.float32), sampler.sharding)
             grads, logp, m = _grad_step(
                 self._spec, self._settings, grads, self.base_params, self.params, mb,
-                placeholder if first_epoch else old[i], first_epoch, ref[i], counts,
+                _placeholder(mb) if first_epoch else old[i], first_epoch, ref[i], counts,
                 self._dropout_key(epoch, i),
             )
             old[i] = logp if first_epoch else old[i]
@@ -565,6 +562,14 @@ def _apply_update(tx, params, opt_state, grads):
 
 
 _zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+
+
+def _placeholder(mb: dict[str, jax.Array]) -> jax.Array:
+    """The first epoch's pi_old argument (unused: that epoch's own logprobs are pi_old), laid
+    out as the micro-batch's logprobs; made on the host, so no program compiles for it."""
+    sampler = mb["sampler_logprobs"]
+    return jax.device_put(np.zeros((sampler.shape[0], sampler.shape[1] - 1), np.float32),
+                          sampler.sharding)
 
 
 def _combine(parts: list[dict[str, jax.Array]]) -> dict[str, float]:
