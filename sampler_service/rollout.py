@@ -37,7 +37,7 @@ from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
 from splitrl.config import MIN_TEMPERATURE, SamplingConfig, temperature_ok
 from splitrl.serving import make_channel
-from splitrl.tokenizer import longest_token_chars
+from splitrl.tokenizer import ByteLevelBytes, longest_token_chars
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class RolloutWorker:
         self._longest_token = longest_token_chars(tokenizer) if tokenizer is not None else 1
         self._max_prompt_chars = 2 * self._longest_token * self.max_sequence_length
         self._scorer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="score")
+        self._raw_bytes = ByteLevelBytes(tokenizer) if tokenizer is not None else None
 
     # -- validation -----------------------------------------------------------------------------
 
@@ -447,9 +448,9 @@ class RolloutWorker:
         from splitrl.tokenizer import decode
 
         text = decode(self.tokenizer, ids, skip_special_tokens=skip_special)
-        if "\ufffd" not in text:
+        if "\ufffd" not in text or self._raw_bytes is None:
             return text, None
-        raw = _byte_level_bytes(self.tokenizer, ids, skip_special)
+        raw = self._raw_bytes(ids, skip_special)
         if raw is None:
             return text, None
         try:
@@ -475,38 +476,3 @@ def _available(events: queue.SimpleQueue) -> list:
             out.append(events.get_nowait())
         except queue.Empty:
             return out
-
-
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte <-> printable character table used by byte-level BPE, inverted."""
-    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-          + list(range(ord("®"), ord("ÿ") + 1)))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_BYTE_DECODER = _bytes_to_unicode()
-
-
-def _byte_level_bytes(tokenizer, ids: Sequence[int], skip_special: bool) -> bytes | None:
-    """The raw bytes of a byte-level BPE completion, or None for other tokenizers."""
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    if decoder is None or "ByteLevel" not in type(decoder).__name__ + repr(decoder):
-        return None
-    tokens = tokenizer.convert_ids_to_tokens([int(i) for i in ids],
-                                             skip_special_tokens=skip_special)
-    out = bytearray()
-    for token in tokens:
-        if token is None:
-            continue
-        if all(c in _BYTE_DECODER for c in token):
-            out.extend(_BYTE_DECODER[c] for c in token)
-        else:  # an added token written as plain text
-            out.extend(token.encode())
-    return bytes(out)

@@ -107,3 +107,31 @@ def test_arithmetic_character_vocabulary_is_small_and_exact(char_dir):
 def test_bpe_refuses_a_vocab_smaller_than_the_byte_alphabet(tmp_path):
     with pytest.raises(ValueError, match="too small"):
         tk.train_bpe_tokenizer(["abc"], tmp_path, vocab_size=100)
+
+
+def test_byte_level_bytes_are_the_utf8_bytes_of_any_cut_of_the_text(bpe):
+    text = "Größe 5 m², café ✓ 数学 = 42"
+    ids = bpe.encode(text, add_special_tokens=False)
+    raw = tk.ByteLevelBytes(bpe)
+    assert raw(ids) == text.encode()
+    cut = [raw(ids[:k]) for k in range(len(ids) + 1)]  # cut between tokens: maybe mid-character
+    assert all(text.encode().startswith(piece) for piece in cut)
+    assert any("\ufffd" in tk.decode(bpe, ids[:k]) for k in range(len(ids)))  # the case it is for
+    assert raw(ids) == raw(ids) and raw([*ids, 99999]) == text.encode()  # cached; unknown id: none
+
+
+def test_byte_level_bytes_skip_special_tokens_or_keep_their_text(bpe):
+    raw = tk.ByteLevelBytes(bpe)
+    ids = [1, *bpe.encode("4", add_special_tokens=False), 0]
+    assert raw(ids) == b"4"
+    assert raw(ids, skip_special=False) == f"{tk.SPECIAL_TOKENS[1]}4{tk.SPECIAL_TOKENS[0]}".encode()
+
+
+def test_byte_level_bytes_of_other_tokenizers_are_none():
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "one": 1, "two": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
+    assert tk.ByteLevelBytes(tok)(tok.encode("one two", add_special_tokens=False)) is None
