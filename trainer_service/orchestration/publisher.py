@@ -140,6 +140,9 @@ class WeightPublisher:
         self._incarnation = uuid.uuid4().hex[:12]  # push ids of two trainer runs never collide
         self._lineage = 0  # rollbacks so far: a version pushed again after one is other bytes
         self._bases: dict[tuple, DeltaBase] = {}
+        # Per sampler address: (the GetInfo reply, its layouts, its dtype profile's digest),
+        # worked out once per reply rather than for every push.
+        self._served: dict[str, tuple[sampler_pb2.SamplerInfo, dict, str]] = {}
         self.history: list[PushResult] = []
 
     # -- public API ---------------------------------------------------------------------------
@@ -268,7 +271,15 @@ class WeightPublisher:
         """How ``handle`` receives ``params``: its served layout, or whole float32 adapters."""
         if self.lora is not None:
             return adapter_layouts(handle.info, params)
-        return layouts_from_info(handle.info)
+        return self._served_by(handle)[1]
+
+    def _served_by(self, handle: SamplerHandle) -> tuple[sampler_pb2.SamplerInfo, dict, str]:
+        served = self._served.get(handle.address)
+        if served is None or served[0] is not handle.info:
+            layouts = layouts_from_info(handle.info)
+            digest = hashlib.sha256(repr(dtype_profile(layouts)).encode()).hexdigest()[:8]
+            served = self._served[handle.address] = (handle.info, layouts, digest)
+        return served
 
     def _bulk(self, handle: SamplerHandle) -> bool:
         return self.config.transport == "bulk" and bool(handle.info.data_address)
@@ -343,8 +354,7 @@ class WeightPublisher:
 
     def _push_id(self, handle: SamplerHandle, version: int) -> str:
         """Names the bytes of ``version`` in ``handle``'s dtypes, for this trainer run."""
-        profile = dtype_profile(layouts_from_info(handle.info))
-        digest = hashlib.sha256(repr(profile).encode()).hexdigest()[:8]
+        digest = self._served_by(handle)[2]
         return f"{self._incarnation}.{self._lineage}-v{version}-{digest}"
 
     def _push_bulk(self, chain: list[SamplerHandle], params: Mapping, version: int,
