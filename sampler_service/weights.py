@@ -187,16 +187,16 @@ class PushSession:
         without assembling it from shards (~0.1 ms of Python a tensor)."""
         if not self._unplaced:
             return
-        shardings = self.store.shardings
-        whole = [len(shards) == 1 and len(shardings[name].device_set) == 1
-                 for name, shards in self._unplaced]
-        pairs = [(block, shardings[name] if alone else device)
-                 for (name, shards), alone in zip(self._unplaced, whole, strict=True)
-                 for block, device in shards]
+        shardings, one_device = self.store.shardings, self.store.one_device
+        pairs = [(block, shardings[name] if name in one_device else device)
+                 for name, shards in self._unplaced for block, device in shards]
         arrays = iter(jax.device_put([b for b, _ in pairs], [t for _, t in pairs]))
-        for (name, shards), alone in zip(self._unplaced, whole, strict=True):
-            self.staged[name] = next(arrays) if alone else jax.make_array_from_single_device_arrays(
-                self.store.manifest[name][1], shardings[name], [next(arrays) for _ in shards])
+        for name, shards in self._unplaced:
+            if name in one_device:
+                self.staged[name] = next(arrays)
+            else:
+                self.staged[name] = jax.make_array_from_single_device_arrays(
+                    self.store.manifest[name][1], shardings[name], [next(arrays) for _ in shards])
         self._unplaced, self._unplaced_bytes = [], 0
 
     # -- completion -------------------------------------------------------------------------
@@ -304,6 +304,8 @@ class WeightStore:
         # Which block of each tensor every device holds: a push is assembled in these.
         self.device_blocks = {n: _device_blocks(self.shardings[n], a.shape)
                               for n, a in flat.items()}
+        # Tensors on one device: a push makes their arrays with device_put, sharding and all.
+        self.one_device = {n for n, s in self.shardings.items() if len(s.device_set) == 1}
         self.fingerprint = wire.model_fingerprint(config.architecture, self.manifest)
         self.staging = wire.StagingPool()  # host buffers pushes are assembled in
         self._lock = threading.Lock()
