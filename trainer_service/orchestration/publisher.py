@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import jax
@@ -57,6 +58,15 @@ from trainer_service.orchestration.delta_base import DeltaBase, dtype_profile
 from trainer_service.orchestration.membership import READY, SUSPECT, SamplerHandle, SamplerPool
 
 log = logging.getLogger(__name__)
+
+
+class _Served(NamedTuple):
+    """What a sampler serves, as one GetInfo reply says: worked out once per reply."""
+
+    info: sampler_pb2.SamplerInfo
+    layouts: dict  # {name: TargetLayout}
+    profile: tuple  # its dtype profile: samplers with equal ones take the same bytes
+    digest: str  # of the profile, in push ids
 
 
 @dataclass
@@ -140,9 +150,7 @@ class WeightPublisher:
         self._incarnation = uuid.uuid4().hex[:12]  # push ids of two trainer runs never collide
         self._lineage = 0  # rollbacks so far: a version pushed again after one is other bytes
         self._bases: dict[tuple, DeltaBase] = {}
-        # Per sampler address: (the GetInfo reply, its layouts, its dtype profile's digest),
-        # worked out once per reply rather than for every push.
-        self._served: dict[str, tuple[sampler_pb2.SamplerInfo, dict, str]] = {}
+        self._served: dict[str, _Served] = {}  # per sampler address
         self.history: list[PushResult] = []
 
     # -- public API ---------------------------------------------------------------------------
@@ -271,14 +279,16 @@ class WeightPublisher:
         """How ``handle`` receives ``params``: its served layout, or whole float32 adapters."""
         if self.lora is not None:
             return adapter_layouts(handle.info, params)
-        return self._served_by(handle)[1]
+        return self._served_by(handle).layouts
 
-    def _served_by(self, handle: SamplerHandle) -> tuple[sampler_pb2.SamplerInfo, dict, str]:
+    def _served_by(self, handle: SamplerHandle) -> _Served:
         served = self._served.get(handle.address)
-        if served is None or served[0] is not handle.info:
+        if served is None or served.info is not handle.info:
             layouts = layouts_from_info(handle.info)
-            digest = hashlib.sha256(repr(dtype_profile(layouts)).encode()).hexdigest()[:8]
-            served = self._served[handle.address] = (handle.info, layouts, digest)
+            profile = dtype_profile(layouts)
+            digest = hashlib.sha256(repr(profile).encode()).hexdigest()[:8]
+            served = self._served[handle.address] = _Served(handle.info, layouts, profile,
+                                                            digest)
         return served
 
     def _bulk(self, handle: SamplerHandle) -> bool:
@@ -354,7 +364,7 @@ class WeightPublisher:
 
     def _push_id(self, handle: SamplerHandle, version: int) -> str:
         """Names the bytes of ``version`` in ``handle``'s dtypes, for this trainer run."""
-        digest = self._served_by(handle)[2]
+        digest = self._served_by(handle).digest
         return f"{self._incarnation}.{self._lineage}-v{version}-{digest}"
 
     def _push_bulk(self, chain: list[SamplerHandle], params: Mapping, version: int,
@@ -366,7 +376,7 @@ class WeightPublisher:
         push_id = self._push_id(chain[0], version)
         base, use_delta = None, False
         if self.config.delta and self.lora is None:
-            base = self._bases.setdefault(dtype_profile(layouts), DeltaBase())
+            base = self._bases.setdefault(self._served_by(chain[0]).profile, DeltaBase())
             if not base.claim():
                 base = None  # another chain of this profile is reading it: go full
             else:
