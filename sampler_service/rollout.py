@@ -448,7 +448,7 @@ class RolloutWorker:
         from splitrl.tokenizer import decode
 
         text = decode(self.tokenizer, ids, skip_special_tokens=skip_special)
-        if "\ufffd" not in text or self._raw_bytes is None:
+        if "\ufffd" not in text:
             return text, None
         raw = self._raw_bytes(ids, skip_special)
         if raw is None:
