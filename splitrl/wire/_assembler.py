@@ -100,6 +100,7 @@ class _Region:
 @dataclass
 class _Tensor:
     dtype: np.dtype
+    dtype_name: str  # the wire name, compared with every chunk's
     shape: tuple[int, ...]
     blocks: list[_Block]
     regions: dict[tuple, _Region] = field(default_factory=dict)
@@ -117,6 +118,13 @@ class _Tensor:
 
 def _inside(inner: Bounds, outer: Bounds) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (i0, i1), (o0, o1) in zip(inner, outer, strict=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _home(region: Bounds, blocks: tuple[Bounds, ...]) -> int | None:
+    """The index of the first of ``blocks`` that holds all of ``region`` (None: it spans
+    several). Cached: every push of a run cuts the same regions."""
+    return next((i for i, block in enumerate(blocks) if _inside(region, block)), None)
 
 
 def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
@@ -205,7 +213,7 @@ class ChunkAssembler:
         for name, (dtype, shape) in expected.items():
             shape = tuple(int(d) for d in shape)
             own = (blocks or {}).get(name) or [tuple((0, n) for n in shape)]
-            self._tensors[name] = _Tensor(numpy_dtype(dtype), shape,
+            self._tensors[name] = _Tensor(numpy_dtype(dtype), dtype, shape,
                                           [_Block(tuple(map(tuple, b))) for b in own])
         self.expected_bytes = sum(t.size * t.dtype.itemsize for t in self._tensors.values())
         if tensor_count is not None and tensor_count != len(self._tensors):
@@ -310,9 +318,9 @@ class ChunkAssembler:
             raise WireError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"{where}: data is {size} bytes, more than the sampler's "
                             f"max_chunk_bytes {self.max_chunk_bytes}")
-        if chunk.dtype != tensor.dtype.name:
+        if chunk.dtype != tensor.dtype_name:
             raise WireError(_INVALID, f"{where}: dtype is {chunk.dtype!r}, expected "
-                            f"{tensor.dtype.name!r}")
+                            f"{tensor.dtype_name!r}")
         if tuple(chunk.shape) != tensor.shape:
             raise WireError(_INVALID, f"{where}: shape is {list(chunk.shape)}, expected "
                             f"{list(tensor.shape)}")
@@ -328,7 +336,7 @@ class ChunkAssembler:
         if chunk.offset % itemsize or length % itemsize:
             raise WireError(_INVALID, f"{where}: bytes [{chunk.offset}, "
                             f"{chunk.offset + length}) do not start and end on whole "
-                            f"{itemsize}-byte {tensor.dtype.name} elements")
+                            f"{itemsize}-byte {tensor.dtype_name} elements")
         if chunk.encoding in _DELTAS and (length <= 0 or length > self.max_chunk_bytes):
             raise WireError(_INVALID, f"{where}: a delta chunk's length must be a positive "
                             f"number of {itemsize}-byte elements up to "
@@ -398,8 +406,9 @@ class ChunkAssembler:
                                 f"shape {list(other.shape)} already received")
         nbytes = math.prod(shape) * tensor.dtype.itemsize
         bounds = tuple((s, s + n) for s, n in zip(start, shape, strict=True))
-        home = next((b for b in tensor.blocks if _inside(bounds, b.bounds)), None)
+        home = _home(bounds, tuple(b.bounds for b in tensor.blocks))
         if home is not None:
+            home = tensor.blocks[home]
             runs, run_bytes = _runs(bounds, home.bounds, tensor.dtype.itemsize)
             flat = self._block_array(tensor, home).reshape(-1).view(np.uint8)
             region = _Region(start, shape, nbytes, flat, runs, run_bytes, own=False)

@@ -25,8 +25,9 @@ FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 
 @functools.lru_cache(maxsize=256)
 def dtype_name(dtype) -> str:
-    """The wire name of a numpy/jax dtype ("float32", "bfloat16", ...); cached (~70 us a call
-    for ml_dtypes' bfloat16, once per chunk)."""
+    """The wire name of a numpy/jax dtype ("float32", "bfloat16", ...); cached: numpy computes
+    ``dtype.name`` in Python (~5 us a call, ~70 us for ml_dtypes' bfloat16), and the receiver
+    asks for every chunk."""
     return np.dtype(dtype).name
 
 
@@ -86,7 +87,7 @@ def has_nonfinite(data, dtype) -> bool:
     than the copy that brought the bytes. Exact: no overflow, no rounding. False for non-float
     dtypes.
     """
-    spec = _NONFINITE_BITS.get(np.dtype(dtype).name)
+    spec = _NONFINITE_BITS.get(dtype_name(dtype))
     if spec is None:
         return False
     signed, unsigned, positive, negative = spec

@@ -38,6 +38,9 @@ class StagingPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._owners: dict[int, list[np.ndarray]] = {}  # nbytes -> owning uint8 arrays
+        # id of an owning array -> bytes to skip to its first 64-byte boundary (numpy's
+        # ``ctypes.data`` costs more than the rest of a take)
+        self._skips: dict[int, int] = {}
         self._taken: Counter[int] = Counter()  # since the last trim
         self._collected = False  # the young-generation collection ran since the last trim
         self.reused = 0  # buffers handed out again (for metrics and tests)
@@ -59,7 +62,7 @@ class StagingPool:
                         # (constant time per take where scanning them all was quadratic).
                         owners.append(owners.pop(i))
                         self.reused += 1
-                        return _view(raw, nbytes, shape, dtype)
+                        return _view(raw, self._skips[id(raw)], nbytes, shape, dtype)
                     del raw
                 if attempt or self._collected or not owners:
                     break
@@ -69,8 +72,9 @@ class StagingPool:
                 gc.collect(0)
             raw = np.empty(nbytes + ALIGNMENT, np.uint8)
             owners.append(raw)
+            skip = self._skips[id(raw)] = -raw.ctypes.data % ALIGNMENT
             self.allocated += 1
-            return _view(raw, nbytes, shape, dtype)
+            return _view(raw, skip, nbytes, shape, dtype)
 
     def prefill(self, blocks: Iterable[tuple[Sequence[int], object]]) -> None:
         """Allocate (and fault in) free buffers for ``blocks`` (``(shape, dtype)`` each) now,
@@ -88,6 +92,7 @@ class StagingPool:
                 for raw in owners:  # a plain loop: the reference count _FREE_REFS expects
                     if sys.getrefcount(raw) == _FREE_REFS:
                         if not spare:
+                            del self._skips[id(raw)]
                             continue
                         spare -= 1
                     kept.append(raw)
@@ -104,6 +109,6 @@ class StagingPool:
             return sum(n * len(owners) for n, owners in self._owners.items())
 
 
-def _view(raw: np.ndarray, nbytes: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    skip = -raw.ctypes.data % ALIGNMENT
+def _view(raw: np.ndarray, skip: int, nbytes: int, shape: tuple[int, ...],
+          dtype: np.dtype) -> np.ndarray:
     return raw[skip : skip + nbytes].view(dtype).reshape(shape)
