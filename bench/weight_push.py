@@ -8,9 +8,14 @@ parallel), and prints, beside a raw loopback TCP stream of the same bytes measur
 run:
 
 - ``ratio push/raw-TCP``: one sampler over the bulk data plane (and the gRPC ``PushWeights``
-  path for comparison), steady state: the best of ``--rounds`` pushes, each beside a raw TCP
-  stream, after the first pushes into every sampler (printed apart: those fault in the
-  sampler's staging buffers, once per sampler);
+  path for comparison), steady state: the best of ``--rounds`` pushes against the best of as
+  many raw TCP streams, one measured just before each push (the best of more draws would be
+  a higher bar: on a shared machine single streams range over 3x), after the first pushes into
+  every sampler (printed apart: those fault in the sampler's staging buffers, once per
+  sampler). The raw stream keeps both ends in the cache (the transport alone);
+- ``ratio push/raw-TCP memory to memory``: the same against raw TCP of the model's bytes from
+  main memory into a buffer of their size, as a push must move them (no checksums, checks or
+  bookkeeping): what the protocol costs beyond moving those bytes;
 - the CPU seconds one push to one sampler costs the trainer (this process) and the sampler
   process, beside those of the raw TCP stream (both ends): on a shared machine the wall-clock
   ratio moves with the load, the CPU cost much less;
@@ -22,7 +27,7 @@ run:
   its bytes against the full push's (``lora push bytes / full push bytes``), its wall time, and
   whether the sampler then serves exactly the trainer's merged weights (GetInfo digests).
 
-    python bench/weight_push.py            # both sizes (several minutes, ~12 GB of memory)
+    python bench/weight_push.py            # both sizes (several minutes, ~14 GB of memory)
     python bench/weight_push.py --quick    # the small model only
 """
 
@@ -98,8 +103,15 @@ def start_sampler(model_dir: Path, work: Path, index: int, dtype: str, lora: boo
     raise RuntimeError(f"sampler {index} did not start; see {work}/sampler-{index}.log")
 
 
-def raw_tcp_mb_s(total_bytes: int) -> float:
-    """Loopback TCP: one sender streams ``total_bytes`` in 1 MiB writes to a draining reader."""
+def raw_tcp_mb_s(total_bytes: int, source: np.ndarray | None = None,
+                 dest: np.ndarray | None = None) -> float:
+    """Loopback TCP of ``total_bytes`` from this process to a reader thread.
+
+    Default: one 1 MiB block written over and over, drained in 1 MiB reads: both ends stay in
+    the cache, so this is the transport alone. With ``source`` and ``dest`` (flat uint8 arrays
+    of ``total_bytes``): the bytes of ``source`` (the model's, in main memory) written in
+    chunk-sized pieces and received in place into ``dest`` (faulted in beforehand): memory to
+    memory, as a push must move them, without its checksums, checks and bookkeeping."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -109,21 +121,24 @@ def raw_tcp_mb_s(total_bytes: int) -> float:
         conn, _ = server.accept()
         got = 0
         while got < total_bytes:
-            data = conn.recv(1 << 20)
-            if not data:
+            if dest is None:
+                n = len(conn.recv(1 << 20))
+            else:
+                n = conn.recv_into(memoryview(dest)[got : got + CHUNK], 0, socket.MSG_WAITALL)
+            if not n:
                 break
-            got += len(data)
+            got += n
         conn.close()
 
     reader = threading.Thread(target=drain)
     reader.start()
-    block = np.random.default_rng(0).bytes(1 << 20)
+    block = memoryview(np.random.default_rng(0).bytes(1 << 20) if source is None else source)
     start = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port)) as s:
         sent = 0
         while sent < total_bytes:
-            n = min(len(block), total_bytes - sent)
-            s.sendall(block[:n])
+            n = min(total_bytes - sent, len(block) if source is None else CHUNK)
+            s.sendall(block[:n] if source is None else block[sent : sent + n])
             sent += n
     reader.join()
     server.close()
@@ -219,33 +234,47 @@ def bench_size(size: str, work: Path, rounds: int, measure_pause: bool) -> dict:
             version += 1
             if n == 1:
                 out["first_push_s"].append(seconds)
-        tcp = []
+        # The model's bytes in main memory, and a faulted-in buffer of the same size to land
+        # them in: the memory-to-memory reference (raw_tcp_mb_s).
+        source = np.concatenate([np.asarray(v).reshape(-1).view(np.uint8)
+                                 for v in params.values()])
+        dest = np.zeros_like(source)
+        tcp, memory = [], []
         out["bulk"] = {}
-        cpu = {"raw_tcp": [], "trainer": [], "sampler": []}
+        cpu = {"raw_tcp": [], "raw_tcp_memory": [], "trainer": [], "sampler": []}
         for n in SAMPLERS:
             times, egress = [], []
             for _ in range(rounds):
-                start = cpu_seconds()
-                tcp.append(raw_tcp_mb_s(nbytes))  # interleaved: the same load on both
-                mid, sampler = cpu_seconds(), cpu_seconds(procs[0].pid)
+                if n == 1:  # each reference beside each push it is compared with, as often
+                    start = cpu_seconds()
+                    memory.append(raw_tcp_mb_s(nbytes, source, dest))
+                    mid = cpu_seconds()
+                    tcp.append(raw_tcp_mb_s(nbytes))
+                    cpu["raw_tcp_memory"].append(mid - start)
+                    cpu["raw_tcp"].append(cpu_seconds() - mid)
+                start, sampler = cpu_seconds(), cpu_seconds(procs[0].pid)
                 seconds, sent, _ = bulk.push(params, version, n)
                 if n == 1:
-                    cpu["raw_tcp"].append(mid - start)
-                    cpu["trainer"].append(cpu_seconds() - mid)
+                    cpu["trainer"].append(cpu_seconds() - start)
                     cpu["sampler"].append(cpu_seconds(procs[0].pid) - sampler)
                 version += 1
                 times.append(seconds)
                 egress.append(sent)
-            out["bulk"][n] = {"seconds": min(times), "egress_MB": max(egress) / 1e6}
+            out["bulk"][n] = {"seconds": min(times), "egress_MB": max(egress) / 1e6,
+                              "MB_per_s_all": [round(nbytes / t / 1e6) for t in times]}
         out["cpu_s"] = {k: min(v) for k, v in cpu.items()}
         seconds, _, _ = grpc_.push(params, version, 1)
         version += 1
         out["grpc_seconds"] = seconds
         out["raw_tcp_MB_per_s"] = max(tcp)
         out["raw_tcp_MB_per_s_all"] = [round(t) for t in tcp]
+        out["raw_tcp_memory_MB_per_s"] = max(memory)
+        out["raw_tcp_memory_MB_per_s_all"] = [round(t) for t in memory]
+        del source, dest
         one = out["bulk"][1]["seconds"]
         out["push_MB_per_s"] = nbytes / one / 1e6
         out["ratio"] = out["push_MB_per_s"] / out["raw_tcp_MB_per_s"]
+        out["ratio_memory"] = out["push_MB_per_s"] / out["raw_tcp_memory_MB_per_s"]
         out["grpc_ratio"] = nbytes / seconds / 1e6 / out["raw_tcp_MB_per_s"]
         out["egress_4_over_1"] = out["bulk"][4]["egress_MB"] / out["bulk"][1]["egress_MB"]
         if measure_pause:
@@ -333,6 +362,15 @@ def report(row: dict) -> None:
           f"{first[0]:.3f} s, {first[1]:.3f} s ({row['MB'] / first[0]:.0f} and "
           f"{row['MB'] / first[1]:.0f} MB/s)")
     print(f"[{size}] ratio push/raw-TCP: {row['ratio']:.2f}")
+    pushes = row["bulk"][1]["MB_per_s_all"]
+    print(f"[{size}] pushes to 1 sampler: {pushes} MB/s; median push / median raw TCP: "
+          f"{np.median(pushes) / np.median(row['raw_tcp_MB_per_s_all']):.2f}, memory to "
+          f"memory {np.median(pushes) / np.median(row['raw_tcp_memory_MB_per_s_all']):.2f}")
+    print(f"[{size}] raw loopback TCP of the model's bytes, memory to memory: "
+          f"{row['raw_tcp_memory_MB_per_s']:.0f} MB/s (best of "
+          f"{row['raw_tcp_memory_MB_per_s_all']}), CPU (both ends) "
+          f"{row['cpu_s']['raw_tcp_memory']:.3f} s; ratio push/raw-TCP memory to memory: "
+          f"{row['ratio_memory']:.2f}")
     cpu = row["cpu_s"]
     print(f"[{size}] CPU seconds per push to 1 sampler: trainer {cpu['trainer']:.3f}, sampler "
           f"{cpu['sampler']:.3f}; raw TCP of the same bytes (both ends) {cpu['raw_tcp']:.3f} "
@@ -355,7 +393,9 @@ def report(row: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the ~24M model")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="pushes per sampler count (and raw TCP streams beside the pushes "
+                             "to one sampler)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
