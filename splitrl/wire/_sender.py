@@ -8,6 +8,7 @@ into ``TensorChunk.data``; the bulk data plane sends them after the frame.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -123,8 +124,11 @@ def iter_tensor_frames(
     if target is None:
         return
     gather = gather or GatherBuffers()
-    for region in target_blocks(shape, target):
-        yield from _block_frames(name, region, shards, shape=shape, version=version,
+    itemsize = shards[0].host.dtype.itemsize
+    bounds = tuple(shard.bounds for shard in shards)
+    for block in target_blocks(shape, target):
+        plan = _plan(block, bounds, max_chunk_bytes // itemsize * itemsize, itemsize)
+        yield from _block_frames(name, plan, shards, shape=shape, version=version,
                                  max_chunk_bytes=max_chunk_bytes, gather=gather)
     if sink is not None:  # after the tensor's chunks: the bases may be overwritten now
         for shard in shards:
@@ -148,6 +152,19 @@ def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
+def _contiguous(inner: Bounds, outer: Bounds) -> bool:
+    """Whether sub-box ``inner`` of a C-order array of box ``outer`` is one contiguous run:
+    whole in every dim after the first it cuts, one element wide in every dim before it."""
+    extents = [b - a for a, b in inner]
+    if not math.prod(extents):
+        return True
+    sizes = [b - a for a, b in outer]
+    d = len(sizes) - 1
+    while d >= 0 and extents[d] == sizes[d]:
+        d -= 1
+    return all(e == 1 for e in extents[:max(d, 0)])
+
+
 class GatherBuffers:
     """The buffers one push gathers slabs of receiver blocks in (the new bytes and, for a
     delta, the base's), reused from slab to slab: fresh ones would cost page faults."""
@@ -161,67 +178,94 @@ class GatherBuffers:
         return self._buffers[which][:nbytes]
 
 
-def _block_frames(name: str, region: Bounds, shards: Sequence[_Shard], *, shape, version: int,
-                  max_chunk_bytes: int, gather: GatherBuffers) -> Iterator[Frame]:
-    """The frames of one receiver block ``region`` (C order), from the shards overlapping it.
+@dataclass(frozen=True)
+class _BlockPlan:
+    """How one receiver block is sent (:func:`_plan`). ``shard`` set: the block lies inside
+    that shard where it is contiguous (rows of a row-split shard) and goes straight from the
+    shard's memory at ``local``. ``parts`` set: its rows are longer than a chunk, and each
+    (part, shard, local) overlap is its own region. Otherwise it is gathered in ``slabs`` of
+    whole rows, each at most one chunk: (first row, rows, copies), a copy being (the piece's
+    place in the slab, shard, its place in the shard)."""
 
-    Inside one shard where that is contiguous (rows of a row-split shard), straight from the
-    shard's memory. Otherwise (e.g. fsdp columns into a tensor-parallel row block) the block is
-    gathered in slabs of whole rows (leading dim), each at most one chunk, into a reused buffer
-    while the sender reads the shards anyway: one strided copy out of the sender's memory into
-    a buffer in its cache, where the receiver would otherwise land the chunk in a scratch
-    buffer and copy it into place with a strided write into memory not in its cache (measured
-    ~5x slower per byte). Rows longer than a chunk fall back to one region per shard."""
-    dtype = shards[0].host.dtype
-    extents = [b - a for a, b in region]
-    if not math.prod(extents):  # an empty tensor: one empty chunk says it is complete
-        yield from iter_region_frames(name, np.empty(extents, dtype), shape=shape,
-                                      version=version, max_chunk_bytes=max_chunk_bytes,
-                                      region_start=[a for a, _ in region])
-        return
-    parts = [(part, shard) for shard in shards
-             if (part := _overlap(region, shard.bounds)) is not None]
-    if len(parts) == 1 and parts[0][0] == region:
-        shard = parts[0][1]
-        local = _local(region, shard.bounds)
-        view = shard.host[local]
-        if view.flags.c_contiguous:
-            yield from iter_region_frames(
-                name, view, shape=shape, version=version, max_chunk_bytes=max_chunk_bytes,
-                region_start=[a for a, _ in region],
-                base=None if shard.old is None else shard.old[local])
-            return
-    row_bytes = math.prod(extents[1:]) * dtype.itemsize
-    step = max_chunk_bytes // dtype.itemsize * dtype.itemsize
+    block: Bounds
+    shard: int | None = None
+    local: tuple[slice, ...] = ()
+    parts: tuple[tuple[Bounds, int, tuple[slice, ...]], ...] = ()
+    slabs: tuple[tuple[int, int, tuple[tuple[tuple[slice, ...], int, tuple[slice, ...]], ...]],
+                 ...] = ()
+    gathered_from: tuple[int, ...] = ()  # the shards a gathered block overlaps
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(block: Bounds, shards: tuple[Bounds, ...], step: int, itemsize: int) -> _BlockPlan:
+    """How receiver ``block`` is cut from sender ``shards`` into chunks of at most ``step``
+    bytes. Cached: every push of a run cuts the same blocks from the same shards, and working
+    the overlaps out again cost more Python per push than the rest of the sender's."""
+    extents = [b - a for a, b in block]
+    parts = [(i, part) for i, bounds in enumerate(shards)
+             if (part := _overlap(block, bounds)) is not None]
+    if not math.prod(extents):  # an empty tensor: sent as one empty region
+        return _BlockPlan(block)
+    if len(parts) == 1 and parts[0][1] == block and _contiguous(block, shards[parts[0][0]]):
+        i = parts[0][0]
+        return _BlockPlan(block, shard=i, local=_local(block, shards[i]))
+    row_bytes = math.prod(extents[1:]) * itemsize
     if not extents or row_bytes > step:
-        for part, shard in parts:  # one region per shard (ascontiguousarray per region)
-            local = _local(part, shard.bounds)
-            yield from iter_region_frames(
-                name, shard.host[local], shape=shape, version=version,
-                max_chunk_bytes=max_chunk_bytes, region_start=[a for a, _ in part],
-                base=None if shard.old is None else shard.old[local])
-        return
-    delta = all(shard.old is not None for _, shard in parts)
-    meta = dict(name=name, dtype=dtype_name(dtype), shape=list(shape),
-                region_start=[a for a, _ in region], region_shape=extents, version=version)
+        return _BlockPlan(block, parts=tuple((part, i, _local(part, shards[i]))
+                                             for i, part in parts))
     rows = step // row_bytes
-    for first in range(0, extents[0], rows):
-        count = min(rows, extents[0] - first)
-        slab = ((region[0][0] + first, region[0][0] + first + count), *region[1:])
+    top, bottom = block[0]
+    slabs = []
+    for first in range(top, bottom, rows):
+        slab = ((first, min(first + rows, bottom)), *block[1:])
+        copies = tuple((_local(piece, slab), i, _local(piece, shards[i]))
+                       for i, _ in parts if (piece := _overlap(slab, shards[i])) is not None)
+        slabs.append((first - top, slab[0][1] - first, copies))
+    return _BlockPlan(block, slabs=tuple(slabs), gathered_from=tuple(i for i, _ in parts))
+
+
+def _block_frames(name: str, plan: _BlockPlan, shards: Sequence[_Shard], *, shape,
+                  version: int, max_chunk_bytes: int, gather: GatherBuffers
+                  ) -> Iterator[Frame]:
+    """The frames of one receiver block, as ``plan`` says (C order).
+
+    A gathered slab is one strided copy out of the sender's memory into a reused buffer in
+    its cache, where the receiver would otherwise land the chunk in a scratch buffer and copy
+    it into place with a strided write into memory not in its cache (measured ~5x slower per
+    byte)."""
+    dtype = shards[0].host.dtype
+    block = plan.block
+    start = [a for a, _ in block]
+    kw = dict(shape=shape, version=version, max_chunk_bytes=max_chunk_bytes)
+    if not plan.slabs:
+        if plan.shard is not None:
+            shard = shards[plan.shard]
+            pieces = [(block, shard, plan.local)]
+        elif plan.parts:
+            pieces = [(part, shards[i], local) for part, i, local in plan.parts]
+        else:  # empty: one empty chunk says it is complete
+            yield from iter_region_frames(name, np.empty([b - a for a, b in block], dtype),
+                                          region_start=start, **kw)
+            return
+        for part, shard, local in pieces:
+            yield from iter_region_frames(
+                name, shard.host[local], region_start=[a for a, _ in part],
+                base=None if shard.old is None else shard.old[local], **kw)
+        return
+    delta = all(shards[i].old is not None for i in plan.gathered_from)
+    extents = [b - a for a, b in block]
+    meta = dict(name=name, dtype=dtype_name(dtype), shape=list(shape), region_start=start,
+                region_shape=extents, version=version)
+    row_bytes = math.prod(extents[1:]) * dtype.itemsize
+    for first, count, copies in plan.slabs:
         new = gather.get(count * row_bytes, 0)
         out = new.view(dtype).reshape(count, *extents[1:])
         old = gather.get(count * row_bytes, 1) if delta else None
-        for part, shard in parts:
-            piece = _overlap(slab, part)
-            if piece is None:
-                continue
-            inside = _local(piece, slab)
-            out[inside] = shard.host[_local(piece, shard.bounds)]
+        for inside, i, local in copies:
+            out[inside] = shards[i].host[local]
             if old is not None:
-                old.view(dtype).reshape(out.shape)[inside] = \
-                    shard.old[_local(piece, shard.bounds)]
-        offset = first * row_bytes
-        yield _chunk(meta, offset, memoryview(new), new, old, dtype.itemsize)
+                old.view(dtype).reshape(out.shape)[inside] = shards[i].old[local]
+        yield _chunk(meta, first * row_bytes, memoryview(new), new, old, dtype.itemsize)
 
 
 def check_targets(flat_params: Mapping[str, object],
