@@ -99,9 +99,10 @@ def _bounds(index: tuple[slice, ...], shape) -> wire.Bounds:
     return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True))
 
 
-def _device_blocks(sharding: NamedSharding, shape) -> dict[jax.Device, wire.Bounds]:
-    return {device: _bounds(index, shape)
-            for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items()}
+def _block_bounds(sharding: NamedSharding, shape) -> list[wire.Bounds]:
+    """The distinct blocks of a tensor this process's devices hold (replicas once), sorted."""
+    indices = sharding.addressable_devices_indices_map(tuple(shape)).values()
+    return sorted({_bounds(index, shape) for index in indices})
 
 
 def _count_nonfinite(array: jax.Array) -> int:
@@ -277,10 +278,9 @@ class WeightStore:
         self.max_version = max_version
         flat = hf_from_state(state)
         self.manifest = {n: (wire.dtype_name(a.dtype), tuple(a.shape)) for n, a in flat.items()}
-        # Which block of each tensor every device holds: a push is assembled in these.
-        self.device_blocks = {n: _device_blocks(self.shardings[n], a.shape)
-                              for n, a in flat.items()}
-        self.block_bounds = {n: sorted(set(b.values())) for n, b in self.device_blocks.items()}
+        # The blocks of each tensor the devices hold: a push is assembled in these.
+        self.block_bounds = {n: _block_bounds(self.shardings[n], a.shape)
+                             for n, a in flat.items()}
         self.fingerprint = wire.model_fingerprint(config.architecture, self.manifest)
         self.staging = wire.StagingPool()  # host buffers pushes are assembled in
         self._lock = threading.Lock()
@@ -384,8 +384,7 @@ class WeightStore:
             # push arriving meanwhile would be refused)
         self.staging.prefill(
             [(tuple(b - a for a, b in bounds), wire.numpy_dtype(self.manifest[name][0]))
-             for name, placement in self.device_blocks.items()
-             for bounds in sorted(set(placement.values()))])
+             for name, blocks in self.block_bounds.items() for bounds in blocks])
 
     @property
     def push_in_progress(self) -> tuple[int, str] | None:
