@@ -20,7 +20,7 @@ from splitrl.wire._core import (
     numpy_dtype,
 )
 from splitrl.wire._delta import BITMAP, delta_apply
-from splitrl.wire._layout import Bounds
+from splitrl.wire._layout import Bounds, local_index, overlap
 from splitrl.wire_error import WireError
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -125,15 +125,6 @@ def _home(region: Bounds, blocks: tuple[Bounds, ...]) -> int | None:
     """The index of the first of ``blocks`` that holds all of ``region`` (None: it spans
     several). Cached: every push of a run cuts the same regions."""
     return next((i for i, block in enumerate(blocks) if _inside(region, block)), None)
-
-
-def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def _local(inner: Bounds, outer: Bounds) -> tuple[slice, ...]:
-    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -370,10 +361,10 @@ class ChunkAssembler:
         if region.own:
             values = region.flat.view(tensor.dtype).reshape(region.shape)
             for block in tensor.blocks:
-                part = _overlap(region.bounds, block.bounds)
+                part = overlap(region.bounds, block.bounds)
                 if part is not None:
-                    self._block_array(tensor, block)[_local(part, block.bounds)] = \
-                        values[_local(part, region.bounds)]
+                    self._block_array(tensor, block)[local_index(part, block.bounds)] = \
+                        values[local_index(part, region.bounds)]
         region.flat = region.base = None
         tensor.done_elements += math.prod(region.shape)
         if tensor.done_elements == tensor.size:
@@ -431,7 +422,8 @@ class ChunkAssembler:
                                 f"{name!r}: the served base is {base.dtype}{list(base.shape)}, "
                                 f"the push {tensor.dtype}{list(tensor.shape)}")
             tensor.base = base
-        return byte_view(tensor.base[_local(region.bounds, tuple((0, n) for n in tensor.shape))])
+        whole = tuple((0, n) for n in tensor.shape)
+        return byte_view(tensor.base[local_index(region.bounds, whole)])
 
     @staticmethod
     def _claim(region: _Region, start: int, end: int, where: str) -> None:
@@ -474,7 +466,7 @@ class ChunkAssembler:
             return blocks[whole]
         array = np.empty(shape, self._tensors[name].dtype)
         for bounds, block in blocks.items():
-            array[_local(bounds, whole)] = block
+            array[local_index(bounds, whole)] = block
         return array
 
     def finish(self) -> None:

@@ -73,6 +73,17 @@ def layout_from_sharding(sharding, dtype=None) -> TargetLayout:
     )
 
 
+def overlap(a: Bounds, b: Bounds) -> Bounds | None:
+    """The intersection of two boxes, or None if it is empty."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def local_index(inner: Bounds, outer: Bounds) -> tuple[slice, ...]:
+    """Box ``inner`` as an index into an array that holds box ``outer``."""
+    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
+
+
 def _norm_index(index: Sequence[slice], shape: Sequence[int]) -> Bounds:
     out = []
     for sl, n in zip(index, shape, strict=True):

@@ -18,7 +18,14 @@ import numpy as np
 from splitrl.v1 import sampler_pb2, tensor_pb2
 from splitrl.wire._core import byte_view, checksum, dtype_name, numpy_dtype
 from splitrl.wire._delta import delta_encode
-from splitrl.wire._layout import Bounds, TargetLayout, sender_blocks, target_blocks
+from splitrl.wire._layout import (
+    Bounds,
+    TargetLayout,
+    local_index,
+    overlap,
+    sender_blocks,
+    target_blocks,
+)
 
 Frame = tuple[tensor_pb2.TensorChunk, memoryview]
 # The host copy (in the wire dtype) of one sender block of the weights the receiver serves.
@@ -143,15 +150,6 @@ class _Shard:
     fresh: bool
 
 
-def _local(inner: Bounds, outer: Bounds) -> tuple[slice, ...]:
-    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
-
-
-def _overlap(a: Bounds, b: Bounds) -> Bounds | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
 def _contiguous(inner: Bounds, outer: Bounds) -> bool:
     """Whether sub-box ``inner`` of a C-order array of box ``outer`` is one contiguous run:
     whole in every dim after the first it cuts, one element wide in every dim before it."""
@@ -203,23 +201,23 @@ def _plan(block: Bounds, shards: tuple[Bounds, ...], step: int, itemsize: int) -
     the overlaps out again cost more Python per push than the rest of the sender's."""
     extents = [b - a for a, b in block]
     parts = [(i, part) for i, bounds in enumerate(shards)
-             if (part := _overlap(block, bounds)) is not None]
+             if (part := overlap(block, bounds)) is not None]
     if not math.prod(extents):  # an empty tensor: sent as one empty region
         return _BlockPlan(block)
     if len(parts) == 1 and parts[0][1] == block and _contiguous(block, shards[parts[0][0]]):
         i = parts[0][0]
-        return _BlockPlan(block, shard=i, local=_local(block, shards[i]))
+        return _BlockPlan(block, shard=i, local=local_index(block, shards[i]))
     row_bytes = math.prod(extents[1:]) * itemsize
     if not extents or row_bytes > step:
-        return _BlockPlan(block, parts=tuple((part, i, _local(part, shards[i]))
+        return _BlockPlan(block, parts=tuple((part, i, local_index(part, shards[i]))
                                              for i, part in parts))
     rows = step // row_bytes
     top, bottom = block[0]
     slabs = []
     for first in range(top, bottom, rows):
         slab = ((first, min(first + rows, bottom)), *block[1:])
-        copies = tuple((_local(piece, slab), i, _local(piece, shards[i]))
-                       for i, _ in parts if (piece := _overlap(slab, shards[i])) is not None)
+        copies = tuple((local_index(piece, slab), i, local_index(piece, shards[i]))
+                       for i, _ in parts if (piece := overlap(slab, shards[i])) is not None)
         slabs.append((first - top, slab[0][1] - first, copies))
     return _BlockPlan(block, slabs=tuple(slabs), gathered_from=tuple(i for i, _ in parts))
 
