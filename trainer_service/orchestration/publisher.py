@@ -67,6 +67,7 @@ class _Served(NamedTuple):
     layouts: dict  # {name: TargetLayout}
     profile: tuple  # its dtype profile: samplers with equal ones take the same bytes
     digest: str  # of the profile, in push ids
+    chain_key: tuple  # model, mesh and every parameter's dtype and partition: one relay chain
 
 
 @dataclass
@@ -284,11 +285,15 @@ class WeightPublisher:
     def _served_by(self, handle: SamplerHandle) -> _Served:
         served = self._served.get(handle.address)
         if served is None or served.info is not handle.info:
-            layouts = layouts_from_info(handle.info)
+            info = handle.info
+            layouts = layouts_from_info(info)
             profile = dtype_profile(layouts)
             digest = hashlib.sha256(repr(profile).encode()).hexdigest()[:8]
-            served = self._served[handle.address] = _Served(handle.info, layouts, profile,
-                                                            digest)
+            chain_key = (info.model_fingerprint, tuple(info.mesh.axis_names),
+                         tuple(info.mesh.axis_sizes),
+                         tuple((p.name, p.dtype, tuple(p.partition)) for p in info.params))
+            served = self._served[handle.address] = _Served(info, layouts, profile, digest,
+                                                            chain_key)
         return served
 
     def _bulk(self, handle: SamplerHandle) -> bool:
@@ -303,11 +308,7 @@ class WeightPublisher:
             if not (self.config.relay and self._bulk(handle)) or handle.state == SUSPECT:
                 alone.append([handle])
                 continue
-            info = handle.info
-            key = (info.model_fingerprint, tuple(info.mesh.axis_names),
-                   tuple(info.mesh.axis_sizes),
-                   tuple((p.name, p.dtype, tuple(p.partition)) for p in info.params))
-            chains.setdefault(key, []).append(handle)
+            chains.setdefault(self._served_by(handle).chain_key, []).append(handle)
         return list(chains.values()) + alone
 
     # -- pushing ------------------------------------------------------------------------------
