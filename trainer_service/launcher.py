@@ -135,7 +135,7 @@ class Launcher:
                 raise RuntimeError(self.exit_report(name))
 
         wait_until(lambda: check_health(address, timeout_s=1.0, auth=self.cfg.services.auth),
-                   timeout_s=timeout_s, interval_s=0.3, check=exited,
+                   timeout_s=timeout_s, interval_s=0.1, check=exited,
                    what=f"{name} at {address} healthy")
 
     def exit_report(self, name: str) -> str:

@@ -50,6 +50,21 @@ def test_updates_raise_the_rewarded_completion_and_lower_the_others():
         assert v.sharding.is_equivalent_to(shardings[k], v.ndim), k
 
 
+def test_gradients_accumulate_sharded_as_the_parameters_are():
+    # FSDP: each device sums the gradient of its own shard. Accumulators made without a
+    # sharding sat on one device, and every gradient came back whole on every device.
+    learner = make_learner(mesh_of(2), optimizer=CONSTANT_LR, strategy="fsdp")
+    batch = rollout_batch(0)
+    mbs = learner._micro_batches(batch, batch.completion_mask)
+    counts = {"num_tokens": float(batch.completion_mask.sum()), "num_sequences": 8.0}
+    grads, _, _ = learner._accumulate_gradients(
+        mbs, None, [learner._reference_logprobs(mb) for mb in mbs], counts)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert grads[q].sharding.spec != jax.sharding.PartitionSpec()
+    for name, grad in grads.items():
+        assert grad.sharding.is_equivalent_to(learner.params[name].sharding, grad.ndim), name
+
+
 def _live_bytes() -> int:
     # Collect first: the source models are freed only by the cycle collector (nnx graphs hold
     # reference cycles), and earlier tests in the same process leave such garbage too.

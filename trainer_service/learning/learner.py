@@ -181,6 +181,11 @@ class Learner:
                 jax.jit(lambda t: jax.tree.map(jnp.copy, t),
                         out_shardings=self.param_shardings)(source))
 
+        # Gradients accumulate sharded as the parameters are (FSDP: each device sums its own
+        # shard). Zeros made without a sharding land on one device, and the gradient program
+        # then returned every gradient whole on every device.
+        self._zero_grads = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree),
+                                   out_shardings=self.param_shardings)
         self._opt_shardings = self._optimizer_shardings()
         if self.abstract:
             self.opt_state = self._place(jax.eval_shape(self.tx.init, self.params),
@@ -276,7 +281,7 @@ class Learner:
     def _accumulate_gradients(self, micro_batches, old, ref, counts, epoch=0):
         """Sum of the micro-batch gradients (= the full batch's), the logprobs to use as pi_old
         in later epochs, and the batch's loss metrics."""
-        grads, parts = _zeros_like(self.params), []
+        grads, parts = self._zero_grads(self.params), []
         first_epoch = old is None
         old = [None] * len(micro_batches) if first_epoch else old
         for i, mb in enumerate(micro_batches):
@@ -559,9 +564,6 @@ def _apply_update(tx, params, opt_state, grads):
     """One optax update; returns the new params and state and the pre-clip gradient norm."""
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
-
-
-_zeros_like = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
 
 
 def _placeholder(mb: dict[str, jax.Array]) -> jax.Array:
