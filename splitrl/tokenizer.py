@@ -163,16 +163,18 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
                                                                   local_files_only=local)
 
 
-# What AutoTokenizer's choice of class depends on, besides the transformers version.
-_CLASS_INPUTS = ("tokenizer_config.json", "config.json", "tokenizer.json",
-                 "special_tokens_map.json")
+# A checkpoint's weights: files no tokenizer reads (and the largest ones).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
+                    ".npz", ".onnx")
 _CLASS_CACHE = "tokenizer-classes.json"
 
 
-def _class_key(model_dir: str | os.PathLike) -> str | None:
-    """Names what AutoTokenizer's choice for ``model_dir`` depends on: the transformers
+def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str | None:
+    """Names the tokenizer of ``model_dir`` as this transformers loads it: the transformers
     version, which files the directory holds (a ``tokenizer.model`` or ``vocab.json`` beside
-    the others may change it) and the bytes of the files it reads. None for a hub name."""
+    the others may change AutoTokenizer's choice) and the bytes of every file but the weights
+    (tokenizer files, chat template, config). None for a hub name. Keys what a launch
+    remembers about a tokenizer: the class AutoTokenizer chose, the prompt length check."""
     import hashlib
     from importlib.metadata import PackageNotFoundError, version
 
@@ -183,11 +185,11 @@ def _class_key(model_dir: str | os.PathLike) -> str | None:
         digest = hashlib.sha256(f"transformers {version('transformers')}".encode())
     except PackageNotFoundError:
         return None
-    digest.update("\0".join(sorted(p.name for p in directory.iterdir())).encode())
-    for name in _CLASS_INPUTS:
-        path = directory / name
-        if path.is_file():
-            digest.update(f"\0{name}\0".encode())
+    files = sorted(p for p in directory.iterdir())
+    digest.update("\0".join(p.name for p in files).encode())
+    for path in files:
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            digest.update(f"\0{path.name}\0".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -198,7 +200,7 @@ def remembered_tokenizer_class(model_dir: str | os.PathLike) -> str | None:
     else None. Resolving costs a torch import (~3 s); reading this, a hash of a few files."""
     from splitrl.user_cache import read_json
 
-    key = _class_key(model_dir)
+    key = tokenizer_fingerprint(model_dir)
     name = read_json(_CLASS_CACHE).get(key) if key is not None else None
     return name if isinstance(name, str) and name.isidentifier() else None
 
@@ -206,7 +208,7 @@ def remembered_tokenizer_class(model_dir: str | os.PathLike) -> str | None:
 def remember_tokenizer_class(model_dir: str | os.PathLike, name: str) -> None:
     from splitrl.user_cache import update_json
 
-    key = _class_key(model_dir)
+    key = tokenizer_fingerprint(model_dir)
     if key is not None:
         update_json(_CLASS_CACHE, key, name)
 

@@ -288,32 +288,72 @@ class Launcher:
         return trainer.returncode
 
 
+# What the prompt length check printed, per data, tokenizer and limits (:func:`check_data`).
+_LENGTH_CHECKS = "prompt-length-checks.json"
+
+
 def check_data(cfg: Config) -> str | None:
     """The run's data as the trainer will load it (paths, fields, splits, prompt lengths),
     before any service starts: None if it loads, else why not. Prints what the prompt length
-    check dropped or truncated."""
+    check dropped or truncated.
+
+    The lengths need the tokenizer, and importing transformers to load it was most of a
+    launch's time before any service started (~1.5 s of ~2.5 s here). A check that passed is
+    remembered in the user cache under :func:`_length_check_key` (the rows, the tokenizer's
+    files, the limits): a launch on the same data and tokenizer prints what that one printed
+    and loads no tokenizer. The trainer checks the lengths itself either way."""
     import logging
 
     from splitrl.tokenizer import load_tokenizer
+    from splitrl.user_cache import read_json, update_json
     from trainer_service.orchestration.data import PromptStream
 
     quiet = logging.getLogger("trainer_service.orchestration.prompt_length")
     level, quiet.level = quiet.level, logging.ERROR  # the summary below says it once
     try:
-        tokenizer = pin_tokenizer_class(cfg) or load_tokenizer(cfg.model.path,
-                                                               cfg.model.tokenizer_class)
-        stream = PromptStream.for_run(cfg, tokenizer=tokenizer)
+        tokenizer = pin_tokenizer_class(cfg)  # loads one only when the class is not known
+        key = _length_check_key(cfg, PromptStream.from_config(cfg.trainer.data))
+        lines = read_json(_LENGTH_CHECKS).get(key) if key is not None else None
+        if not isinstance(lines, list):
+            tokenizer = tokenizer or load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
+            stream = PromptStream.for_run(cfg, tokenizer=tokenizer)
+            lines = [_too_long_line(report) for report in stream.length_reports.values()
+                     if report.too_long]
+            if key is not None:
+                update_json(_LENGTH_CHECKS, key, lines)
     except (ValueError, OSError) as e:
         return str(e)
     finally:
         quiet.setLevel(level)
-    for report in stream.length_reports.values():
-        if report.too_long:
-            ids = ", ".join(pid for pid, _ in report.too_long[:5])
-            more = ", ..." if len(report.too_long) > 5 else ""
-            print(f"data: {report.summary()} (data.long_prompt_policy="
-                  f"{report.policy}): {ids}{more}", flush=True)
+    for line in lines:
+        print(line, flush=True)
     return None
+
+
+def _too_long_line(report) -> str:
+    ids = ", ".join(pid for pid, _ in report.too_long[:5])
+    more = ", ..." if len(report.too_long) > 5 else ""
+    return f"data: {report.summary()} (data.long_prompt_policy={report.policy}): {ids}{more}"
+
+
+def _length_check_key(cfg: Config, stream) -> str | None:
+    """Names what the prompt length check's outcome depends on: the tokenizer (its files and
+    the transformers version, :func:`splitrl.tokenizer.tokenizer_fingerprint`), the class
+    loading it, the data settings and token limit, and every row of ``stream`` (loaded without
+    a tokenizer). None for a model on a hub (nothing to fingerprint without fetching)."""
+    import hashlib
+
+    from splitrl.config import to_dict
+    from splitrl.tokenizer import tokenizer_fingerprint
+
+    tokenizer = tokenizer_fingerprint(cfg.model.path)
+    if tokenizer is None:
+        return None
+    digest = hashlib.sha256(tokenizer.encode())
+    for part in (to_dict(cfg.trainer.data), cfg.prompt_token_limit(), cfg.model.tokenizer_class,
+                 list(stream.rows), list(stream.eval_split_rows)):
+        digest.update(json.dumps(part, sort_keys=True, default=str).encode() + b"\0")
+    return digest.hexdigest()
 
 
 def pin_tokenizer_class(cfg: Config):

@@ -82,6 +82,39 @@ def test_bad_data_fails_before_any_service_starts(arith_model, tmp_path, capsys,
     assert not (tmp_path / "run" / "logs").exists()
 
 
+def test_a_length_check_that_passed_is_remembered_and_other_data_is_checked_again(
+        arith_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPLITRL_CACHE_DIR", str(tmp_path / "cache"))
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"question": "1+2=", "answer": "3"}, {"question": "1+" * 20 + "1=", "answer": "21"}]
+    (data / "train.jsonl").write_text(jsonl(*rows))
+    (data / "test.jsonl").write_text(jsonl(rows[0]))
+    overrides = ["trainer.data.task=files", f"trainer.data.path={data}",
+                 "trainer.data.long_prompt_policy=drop"]
+    assert launcher.check_data(config(arith_model, tmp_path / "run", *overrides)) is None
+    said = capsys.readouterr().out
+    assert "1 of 2 train prompts are longer than 30 tokens" in said
+    # Another launch on the same data and tokenizer says the same without loading a tokenizer.
+    launch = [f"model.path={arith_model}", *overrides]
+    code = ("import sys\n"
+            "from splitrl.config import load_config\n"
+            "from trainer_service import launcher\n"
+            f"cfg = load_config(launcher.demo_config_path(), {launch!r})\n"
+            "assert launcher.check_data(cfg) is None\n"
+            "print('transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [said.strip(), "False"]
+    # Other rows are checked again: the error policy refuses the long one.
+    rows.append({"question": "2+2=", "answer": "4"})
+    (data / "train.jsonl").write_text(jsonl(*rows))
+    error = ["trainer.data.long_prompt_policy=error"]
+    problem = launcher.check_data(config(arith_model, tmp_path / "run", *overrides, *error))
+    assert "1 of 3 train prompts are longer than 30 tokens" in problem
+
+
 def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(arith_model, tmp_path,
                                                                      capsys):
     cfg = config(arith_model, tmp_path / "run", "reward.functions=[{name: 'my_rewardz:think'}]",

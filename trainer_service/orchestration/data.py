@@ -221,6 +221,12 @@ class PromptStream:
 
     # -- evaluation ---------------------------------------------------------------------------
 
+    @property
+    def eval_split_rows(self) -> Sequence[Row]:
+        """The evaluation split as loaded (after the length check), unformatted; empty without
+        one."""
+        return self._eval or []
+
     def eval_rows(self, limit: int | None = None) -> list[Row]:
         """The first `limit` (default `eval_size`, else all) rows of the evaluation split, in
         the split's own order."""
