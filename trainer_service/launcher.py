@@ -95,7 +95,7 @@ class Launcher:
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         # Every service compiles the same programs run after run: keep them on disk.
         env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "xla"))
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
         env["PYTHONUNBUFFERED"] = "1"
         env[LAUNCHER_PID_ENV] = str(os.getpid())  # services stop when this process is gone
         return env
