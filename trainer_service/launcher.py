@@ -157,22 +157,21 @@ class Launcher:
         return address
 
     def up(self) -> None:
-        """Start every service. The trainer starts as soon as the reward service answers (a
-        broken reward function stops the launch before any trainer exists), not after the
-        samplers: its start-up (imports, model, optimizer state, compiling its train step)
-        then overlaps theirs, and it finds the samplers when they are up (it probes them;
-        they register with it)."""
+        """Start every service at once. The trainer's start-up (imports, model, optimizer
+        state, compiling its train step) is the longest of them and comes first on the way to
+        the first step, so it does not wait for the others: it finds the samplers when they
+        are up (it probes them; they register with it). A reward service or sampler that
+        fails to start stops the launch before any step: the launcher then stops the trainer
+        too (:meth:`stop`) and says which service failed and why."""
         started = time.monotonic()
-        say(f"starting the reward service and {len(self.sampler_addresses)} sampler(s) (each "
-            "loads the model and compiles its programs; logs in "
-            f"{self.log_dir})")
+        say(f"starting the reward service, {len(self.sampler_addresses)} sampler(s) and the "
+            "trainer (each loads the model; the samplers compile their programs, the trainer "
+            f"its train step; logs in {self.log_dir})")
         self.start("reward", "reward", [])
         for i, address in enumerate(self.sampler_addresses):
             self.start_sampler(i, address)
-        self.wait_healthy("reward", self.reward_address)
-        say("starting the trainer alongside the samplers (it loads the model and the data and "
-            "compiles its train step while they start, then evaluates and trains)")
         self.start_trainer()
+        self.wait_healthy("reward", self.reward_address)
         for i, address in enumerate(self.sampler_addresses):
             self.wait_healthy(f"sampler-{i}", address)
         say(f"services up after {time.monotonic() - started:.0f}s")
@@ -447,7 +446,7 @@ def main(cfg: Config) -> int:
         print(f"splitrl up: {problem}", file=sys.stderr, flush=True)
         return 2
     launcher = Launcher(cfg)
-    code, interrupted = 1, False
+    code, interrupted, start_failed = 1, False, False
     say(f"run directory: {launcher.run_dir}")
 
     def interrupt(signum, _frame):
@@ -469,6 +468,7 @@ def main(cfg: Config) -> int:
         interrupted = True
         say("\ninterrupted: stopping the run (the trainer checkpoints the step it is at)")
     except (RuntimeError, TimeoutError) as e:  # a service did not start
+        start_failed = True  # the trainer, started beside it, is stopped: nothing to report
         print(f"splitrl up: {e}", file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
@@ -479,7 +479,8 @@ def main(cfg: Config) -> int:
         code = 0 if trainer is None or trainer.returncode == -signal.SIGTERM else (
             trainer.returncode)  # -SIGTERM: stopped while starting, before it had a handler
     summary_path = launcher.run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = (json.loads(summary_path.read_text())
+               if summary_path.exists() and not start_failed else {})
     line = accuracy_line(summary)
     if line:
         say(line)
@@ -493,7 +494,7 @@ def main(cfg: Config) -> int:
         plots.join()
     elif summary:
         _plot(launcher.run_dir)
-    if code != 0 and trainer is not None:
+    if code != 0 and trainer is not None and not start_failed:
         print(launcher.exit_report("trainer"), file=sys.stderr)
     if code != 0:
         print(f"the run failed (exit code {code}); logs: {launcher.log_dir}", file=sys.stderr)

@@ -123,7 +123,10 @@ def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(arith_model
     captured = capsys.readouterr()
     assert "reward exited with code 2" in captured.err
     assert "cannot import module 'my_rewardz': ModuleNotFoundError" in captured.err
-    assert not (tmp_path / "run" / "logs" / "trainer.log").exists()  # no trainer was started
+    # The trainer started beside the reward service and was stopped with the launch: no
+    # step, and nothing said about it that could hide the reward service's error.
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert "trainer exited" not in captured.err and "To continue" not in captured.out
 
 
 LAUNCHER_THEN_SLEEP = """
