@@ -3,16 +3,12 @@ without the torch import; a wrong name is refused by name; ``splitrl up`` pins t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import yaml
 
 from splitrl import tokenizer as tk
 from splitrl.init_model import init_model
+from tests.fresh_python import python_prints
 
 TEXTS = ["3+4=", "What is 12 + 7?", "It costs $1,234.50 in 2024.", "  spaced\n\nlines\t!",
          "<|im_start|>user\nhi<|im_end|>", "éàü 漢字 🙂"]
@@ -49,10 +45,7 @@ def test_a_named_class_loads_without_importing_torch(model_dir):
             f"tok = load_tokenizer({str(model_dir)!r}, {name!r})\n"
             "assert tok.encode('3+4=', add_special_tokens=False)\n"
             "print('torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert python_prints(code) == ["False"]
 
 
 @pytest.mark.parametrize("name", ["NoSuchTokenizer", "Qwen2Config", "not a name", "__class__"])
@@ -92,11 +85,7 @@ def test_the_chosen_class_is_remembered_so_the_next_launch_skips_torch(arith_mod
             f"cfg = run_config({str(arith_model)!r}, {str(tmp_path / 'run2')!r})\n"
             "assert pin_tokenizer_class(cfg) is None\n"
             "print(cfg.model.tokenizer_class, 'torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [chosen, "False"]
+    assert python_prints(code) == [f"{chosen} False"]
     # Other tokenizer files (or another transformers) are another key: resolved again.
     edited = tmp_path / "edited"
     edited.mkdir()

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from splitrl.config import load_config
+from tests.fresh_python import python_prints
 from trainer_service import launcher
 from trainer_service.service_logs import LogFollower, error_lines
 
@@ -103,10 +104,7 @@ def test_a_length_check_that_passed_is_remembered_and_other_data_is_checked_agai
             f"cfg = load_config(launcher.demo_config_path(), {launch!r})\n"
             "assert launcher.check_data(cfg) is None\n"
             "print('transformers' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"), timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [said.strip(), "False"]
+    assert python_prints(code) == [said.strip(), "False"]
     # Other rows are checked again: the error policy refuses the long one.
     rows.append({"question": "2+2=", "answer": "4"})
     (data / "train.jsonl").write_text(jsonl(*rows))
