@@ -338,17 +338,21 @@ def _too_long_line(report) -> str:
 def _length_check_key(cfg: Config, stream) -> str | None:
     """Names what the prompt length check's outcome depends on: the tokenizer (its files and
     the transformers version, :func:`splitrl.tokenizer.tokenizer_fingerprint`), the class
-    loading it, the data settings and token limit, and every row of ``stream`` (loaded without
+    loading it, the code that renders and counts prompts (another SplitRL may render them
+    otherwise), the data settings and token limit, and every row of ``stream`` (loaded without
     a tokenizer). None for a model on a hub (nothing to fingerprint without fetching)."""
     import hashlib
 
+    import splitrl.tokenizer
     from splitrl.config import to_dict
-    from splitrl.tokenizer import tokenizer_fingerprint
+    from trainer_service.orchestration import data, prompt_length
 
-    tokenizer = tokenizer_fingerprint(cfg.model.path)
+    tokenizer = splitrl.tokenizer.tokenizer_fingerprint(cfg.model.path)
     if tokenizer is None:
         return None
     digest = hashlib.sha256(tokenizer.encode())
+    for module in (splitrl.tokenizer, data, prompt_length):
+        digest.update(Path(module.__file__).read_bytes())
     for part in (to_dict(cfg.trainer.data), cfg.prompt_token_limit(), cfg.model.tokenizer_class,
                  list(stream.rows), list(stream.eval_split_rows)):
         digest.update(json.dumps(part, sort_keys=True, default=str).encode() + b"\0")
