@@ -223,8 +223,8 @@ class PromptStream:
 
     @property
     def eval_split_rows(self) -> Sequence[Row]:
-        """The evaluation split as loaded (after the length check), unformatted; empty without
-        one."""
+        """The evaluation split as loaded (after the length check, when one ran), unformatted;
+        empty without one."""
         return self._eval or []
 
     def eval_rows(self, limit: int | None = None) -> list[Row]:
