@@ -185,7 +185,7 @@ def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str | None:
         digest = hashlib.sha256(f"transformers {version('transformers')}".encode())
     except PackageNotFoundError:
         return None
-    files = sorted(p for p in directory.iterdir())
+    files = sorted(directory.iterdir())
     digest.update("\0".join(p.name for p in files).encode())
     for path in files:
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
