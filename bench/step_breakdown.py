@@ -100,8 +100,6 @@ def startup(run_dir: Path, launched: float | None) -> dict[str, float]:
 
 def run(config: str, overrides: list[str]) -> tuple[Path, float, float]:
     """``splitrl up`` on the config; (run dir, launch time, wall seconds)."""
-    if not any(o.startswith("trainer.run_dir=") for o in overrides):
-        overrides = [*overrides, f"trainer.run_dir={tempfile.mkdtemp(prefix='breakdown-')}/run"]
     run_dir = Path(next(o for o in overrides if o.startswith("trainer.run_dir=")).split("=", 1)[1])
     splitrl = Path(sys.executable).with_name("splitrl")
     cmd = [str(splitrl), "up", "--config", config, *overrides]
@@ -123,17 +121,26 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config overrides key=value (with --config)")
     ap.add_argument("--per-step", action="store_true", help="print every step's split too")
     args = ap.parse_args()
-    launched = wall = None
-    if args.config:
-        run_dir, launched, wall = run(args.config, args.overrides)
+    if args.run_dir:
+        report(Path(args.run_dir), None, None, args.per_step)
+    elif any(o.startswith("trainer.run_dir=") for o in args.overrides):
+        report(*run(args.config, args.overrides), args.per_step)
     else:
-        run_dir = Path(args.run_dir)
+        # A run directory of our own holds checkpoints: removed once read, so that measuring
+        # again and again does not fill the disk.
+        with tempfile.TemporaryDirectory(prefix="breakdown-") as tmp:
+            overrides = [*args.overrides, f"trainer.run_dir={tmp}/run"]
+            report(*run(args.config, overrides), args.per_step)
+
+
+def report(run_dir: Path, launched: float | None, wall: float | None, per_step: bool) -> None:
+    """Print the step split and the start-up of the run in ``run_dir``."""
     steps = read_metrics(run_dir)
     if not steps:
         raise SystemExit(f"no step records in {run_dir}/metrics.jsonl")
     print(f"run: {run_dir} ({len(steps)} steps); load average "
           f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-    if args.per_step:
+    if per_step:
         print("step   " + "  ".join(f"{n:>7s}" for n, _ in PARTS) + "  step_s")
         for r in steps:
             print(f"{r['step']:4d}   " + "  ".join(f"{r.get(k, 0.0):7.3f}" for _, k in PARTS)
