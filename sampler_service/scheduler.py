@@ -122,6 +122,14 @@ class Scheduler:
         with self.queue_lock:
             return sum((len(r.prompts) - r.next_prompt) * r.n for r in self.queue)
 
+    def active_sequences(self) -> int:
+        return len(self.rows)
+
+    def holds_exclusive(self) -> bool:
+        """An exclusive request runs or waits here: nothing else may join it until it ends."""
+        with self.queue_lock:
+            return self.session is not None or any(r.exclusive for r in self.queue)
+
     def fail_all(self, error: BaseException) -> int:
         """After a failed program: fail every request with rows in the batch, reset the
         batch; returns how many requests failed."""

@@ -238,7 +238,7 @@ def advertised_host(config: Config) -> str:
 
 def serve(config: Config) -> tuple[Server, SamplerServicer]:
     """Load the model, build mesh, weights, engine and reward client, and start the server."""
-    from sampler_service.engine import GenerationEngine
+    from sampler_service.engine import GenerationEngine, default_concurrent_batches
     from splitrl.models import from_pretrained
 
     sampler = config.sampler
@@ -267,8 +267,10 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                               pad_token_id=pad, kv_cache_bytes=sampler.kv_cache_bytes,
                               batching=sampler.batching, segment_steps=sampler.segment_steps,
                               update_in_flight=sampler.update_in_flight,
-                              weights=weights.snapshot, dtype=dtype)
-    metrics.KV_CACHE_BUDGET_BYTES.set(engine.cache.budget_bytes)
+                              weights=weights.snapshot, dtype=dtype,
+                              concurrent_batches=(sampler.concurrent_batches
+                                                  or default_concurrent_batches(mesh)))
+    metrics.KV_CACHE_BUDGET_BYTES.set(engine.kv_cache_budget_bytes)
     reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
                            auth=config.services.auth)
               if config.services.reward_address else None)
@@ -300,7 +302,8 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
         "sampler_id": worker.sampler_id, "dtype": serving_dtype,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
-        "max_batch_size": engine.max_batch_size, "kv_cache_bytes": engine.cache.budget_bytes,
+        "max_batch_size": engine.max_batch_size, "kv_cache_bytes": engine.kv_cache_budget_bytes,
+        "concurrent_batches": len(engine.schedulers),
         "batching": sampler.batching, "update_in_flight": sampler.update_in_flight,
         "fingerprint": weights.fingerprint, "weight_version": weights.version,
         "base_fingerprint": weights.base_fingerprint})

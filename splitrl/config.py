@@ -413,6 +413,11 @@ class SamplerConfig(Section):
     batching: Literal["continuous", "static"] = "continuous"
     # Decode steps per compiled segment (between segments slots are retired and refilled).
     segment_steps: PositiveInt = 16
+    # Batches decoding at once, each with its own thread and KV cache (kv_cache_bytes each):
+    # requests share one batch; exclusive (reproducible) requests take a batch each, so a
+    # synchronous step's requests decode together. None: 2 on CPU devices with >= 2 cores, 1
+    # on accelerators (docs/sampler.md).
+    concurrent_batches: PositiveInt | None = None
     # Apply a weight push to sequences in flight at the next segment boundary (their
     # Completion.weight_versions then list every version); false = a sequence finishes on the
     # weights it started with and a push waits until they drain.

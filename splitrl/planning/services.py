@@ -138,14 +138,16 @@ class SamplerPlanner:
         self.budget = sampler.kv_cache_bytes
 
     def _engine(self, rows: int, kv_cache_bytes: int):
-        from sampler_service.engine import GenerationEngine
+        from sampler_service.engine import GenerationEngine, default_concurrent_batches
 
         s = self.cfg.sampler
         return GenerationEngine(self.config, self.graphdef, mesh=self.mesh, max_batch_size=rows,
                                 max_sequence_length=s.max_sequence_length,
                                 eos_token_ids=self.eos, pad_token_id=0,
                                 kv_cache_bytes=kv_cache_bytes, batching=s.batching,
-                                segment_steps=s.segment_steps, dtype=self.dtype)
+                                segment_steps=s.segment_steps, dtype=self.dtype,
+                                concurrent_batches=(s.concurrent_batches
+                                                    or default_concurrent_batches(self.mesh)))
 
     def describe(self, rows: int) -> str:
         budget = (f"kv_cache_bytes {self.budget}" if rows == self.rows and self.budget
@@ -164,7 +166,8 @@ class SamplerPlanner:
         request = engine.new_request(prompts, self.options, min(self.group, rows),
                                      weights=PinnedWeights(0, self.state))
         lowered, cache = engine.scheduler.lower(request)
-        kv = shard_bytes(cache)
+        # Every batch may hold a full cache at once (sampler.concurrent_batches).
+        kv = shard_bytes(cache) * len(engine.schedulers)
 
         def categories(programs):
             prefill, admit, decode = (programs[k] for k in ("prefill", "admit", "decode"))

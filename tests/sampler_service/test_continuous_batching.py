@@ -165,6 +165,60 @@ def test_an_exclusive_request_is_bitwise_the_same_whatever_runs_around_it(setup)
     assert results["x"] == solo
 
 
+def test_concurrent_batches_decode_exclusive_requests_side_by_side_bitwise_as_alone(setup):
+    model, mesh, state = setup
+    pinned = PinnedWeights(1, state)
+    first, second = PROMPT_SET[:3], PROMPT_SET[3:5]
+    alone = make_engine(model, mesh, max_batch_size=4)[0]
+    solo = []
+    for prompts in (first, second):
+        request = queue(alone, prompts, SAMPLED, n=2, exclusive=True, weights=pinned)
+        run_until_idle(alone)
+        solo.append(request.result())
+    engine = make_engine(model, mesh, max_batch_size=4, concurrent_batches=2)[0]
+    assert len(engine.schedulers) == 2 and engine.kv_cache_budget_bytes == 2 * (
+        alone.kv_cache_budget_bytes)
+    x, y = (engine.new_request(p, SAMPLED, 2, exclusive=True, weights=pinned)
+            for p in (first, second))
+    assert engine._batch_for(x) == 0
+    engine.schedulers[0].queue.append(x)
+    assert engine._batch_for(y) == 1  # batch 0 is taken by x: y need not wait for it
+    engine.schedulers[1].queue.append(y)
+    other = engine.new_request(second, SAMPLED, 1, weights=pinned)
+    # Both batches are held by exclusive requests: the one with fewer sequences ahead.
+    assert engine._batch_for(other) == 1
+    # Step both batches in turn, as their two threads do, each batch holding one request.
+    for _ in range(500):
+        if all(s.idle for s in engine.schedulers):
+            break
+        for scheduler, request in zip(engine.schedulers, (x, y), strict=True):
+            scheduler.step()
+            assert {row.group.request for row in scheduler.rows.values()} <= {request}
+    assert [x.result(), y.result()] == solo
+    # Requests that need no exclusivity share the first batch no exclusive request holds.
+    engine.schedulers[0].queue.append(engine.new_request(first, SAMPLED, 2, exclusive=True,
+                                                         weights=pinned))
+    assert engine._batch_for(other) == 1
+    engine.schedulers[0].queue.clear()
+    assert engine._batch_for(other) == 0
+    # Through the engine's own threads, called at once.
+    threaded = make_engine(model, mesh, max_batch_size=4, concurrent_batches=2)[0]
+    results = {}
+
+    def call(name, prompts):
+        results[name] = threaded.generate(state, prompts, SAMPLED, n=2, version=1,
+                                          exclusive=True)
+
+    threads = [threading.Thread(target=call, args=(i, p)) for i, p in enumerate((first, second))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    threaded.close()
+    assert [results[0], results[1]] == solo
+    assert threaded.stats["requests"] == 2 and threaded.stats["active_sequences"] == 0
+
+
 def test_a_burst_beyond_the_kv_budget_queues_and_completes_within_it(setup):
     model, mesh, state = setup
     # Room for 4 rows of 32 slots (256 bytes per token) plus one array's resize copy.
