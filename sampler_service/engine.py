@@ -253,10 +253,10 @@ class GenerationEngine:
     def close(self) -> None:
         """Stop the engine threads; requests not finished fail with `EngineClosed`."""
         with self._submit_lock:
-            self._closed = True
-        for wake in self._wakes:
-            with wake:
-                wake.notify()
+            for wake in self._wakes:  # under each batch's lock: its thread cannot miss it
+                with wake:
+                    self._closed = True
+                    wake.notify()
         for thread in self._threads:
             if thread is not None:
                 thread.join(timeout=60)
