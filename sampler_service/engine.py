@@ -72,11 +72,13 @@ _COUNTERS = ("requests", "sequences", "prefills", "prefill_tokens", "prefill_pad
              "cache_resizes", "weight_swaps_in_flight", "generate_tokens")
 
 
-def default_concurrent_batches(mesh: Mesh) -> int:
-    """``sampler.concurrent_batches`` when unset: 2 on CPU devices with two cores or more
-    (XLA:CPU runs a program on its caller's thread: a second batch is a second core at work),
-    1 on accelerators, which run one program at a time and where a second KV cache costs
-    device memory."""
+def concurrent_batches_for(configured: int | None, mesh: Mesh) -> int:
+    """``sampler.concurrent_batches`` (``configured``) on ``mesh``; when unset, 2 on CPU
+    devices with two cores or more (XLA:CPU runs a program on its caller's thread: a second
+    batch is a second core at work), 1 on accelerators, which run one program at a time and
+    where a second KV cache costs device memory."""
+    if configured is not None:
+        return configured
     cpu = all(d.platform == "cpu" for d in mesh.devices.flat)
     return 2 if cpu and (os.cpu_count() or 1) >= 2 else 1
 

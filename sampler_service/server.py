@@ -238,7 +238,7 @@ def advertised_host(config: Config) -> str:
 
 def serve(config: Config) -> tuple[Server, SamplerServicer]:
     """Load the model, build mesh, weights, engine and reward client, and start the server."""
-    from sampler_service.engine import GenerationEngine, default_concurrent_batches
+    from sampler_service.engine import GenerationEngine, concurrent_batches_for
     from splitrl.models import from_pretrained
 
     sampler = config.sampler
@@ -268,8 +268,8 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                               batching=sampler.batching, segment_steps=sampler.segment_steps,
                               update_in_flight=sampler.update_in_flight,
                               weights=weights.snapshot, dtype=dtype,
-                              concurrent_batches=(sampler.concurrent_batches
-                                                  or default_concurrent_batches(mesh)))
+                              concurrent_batches=concurrent_batches_for(
+                                  sampler.concurrent_batches, mesh))
     metrics.KV_CACHE_BUDGET_BYTES.set(engine.kv_cache_budget_bytes)
     reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
                            auth=config.services.auth)

@@ -138,7 +138,7 @@ class SamplerPlanner:
         self.budget = sampler.kv_cache_bytes
 
     def _engine(self, rows: int, kv_cache_bytes: int):
-        from sampler_service.engine import GenerationEngine, default_concurrent_batches
+        from sampler_service.engine import GenerationEngine, concurrent_batches_for
 
         s = self.cfg.sampler
         return GenerationEngine(self.config, self.graphdef, mesh=self.mesh, max_batch_size=rows,
@@ -146,8 +146,8 @@ class SamplerPlanner:
                                 eos_token_ids=self.eos, pad_token_id=0,
                                 kv_cache_bytes=kv_cache_bytes, batching=s.batching,
                                 segment_steps=s.segment_steps, dtype=self.dtype,
-                                concurrent_batches=(s.concurrent_batches
-                                                    or default_concurrent_batches(self.mesh)))
+                                concurrent_batches=concurrent_batches_for(
+                                    s.concurrent_batches, self.mesh))
 
     def describe(self, rows: int) -> str:
         budget = (f"kv_cache_bytes {self.budget}" if rows == self.rows and self.budget
