@@ -150,6 +150,13 @@ class GenerationEngine:
         """What the KV caches of all batches may hold together."""
         return sum(cache.budget_bytes for cache in self.caches)
 
+    def _gauges(self) -> dict[str, int]:
+        """Sequences waiting and decoding, and KV cache bytes allocated, over all batches:
+        what `stats` reports and `_publish` exports."""
+        return {"queued_sequences": sum(s.waiting_sequences() for s in self.schedulers),
+                "active_sequences": sum(s.active_sequences() for s in self.schedulers),
+                "kv_cache_bytes": sum(cache.allocated_bytes for cache in self.caches)}
+
     # ------------------------------------------------------------------ weights
 
     def state_shardings(self, strategy: str | None = "tp") -> dict[str, NamedSharding]:
@@ -291,13 +298,14 @@ class GenerationEngine:
             request.fail(error)
 
     def _publish(self) -> None:
-        waiting = sum(s.waiting_sequences() for s in self.schedulers)
+        gauges = self._gauges()
+        waiting = gauges["queued_sequences"]
         with self._lock:
             self._stats["peak_queued_sequences"] = max(self._stats["peak_queued_sequences"],
                                                        waiting)
         metrics.QUEUED_SEQUENCES.set(waiting)
-        metrics.ACTIVE_SEQUENCES.set(sum(s.active_sequences() for s in self.schedulers))
-        metrics.KV_CACHE_BYTES.set(sum(cache.allocated_bytes for cache in self.caches))
+        metrics.ACTIVE_SEQUENCES.set(gauges["active_sequences"])
+        metrics.KV_CACHE_BYTES.set(gauges["kv_cache_bytes"])
         metrics.BATCH_OCCUPANCY.set(self._stats["last_batch_occupancy"])
         metrics.TOKENS_PER_SECOND.set(self._stats["last_tokens_per_second"])
 
@@ -321,9 +329,7 @@ class GenerationEngine:
             st["compiled_programs"] = len(self._stats.get("_programs", ()))
         st["batch_occupancy"] = (st["live_row_steps"] / st["row_steps"]
                                  if st["row_steps"] else 0.0)
-        st["queued_sequences"] = sum(s.waiting_sequences() for s in self.schedulers)
-        st["active_sequences"] = sum(s.active_sequences() for s in self.schedulers)
-        st["kv_cache_bytes"] = sum(cache.allocated_bytes for cache in self.caches)
+        st.update(self._gauges())
         st["kv_cache_peak_bytes"] = sum(cache.peak_bytes for cache in self.caches)
         st["kv_cache_budget_bytes"] = self.kv_cache_budget_bytes
         return st
