@@ -30,6 +30,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -108,12 +109,18 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         idle_s = self.config.sampler.push_idle_timeout_s
 
         def sender_alive() -> bool:  # a push its sender gave up on is never applied
-            remaining = context.time_remaining()
-            return context.is_active() and (remaining is None or remaining > 0)
+            return context.is_active() and context.time_remaining() > 0
 
+        # The call's deadline as this sampler counts it (logged with the push): the sender's
+        # timeout as gRPC sent it, rounded up, from when the call arrived here, so a little
+        # after the sender's own. A push that ends in between is applied although its sender
+        # has already reported a failure; the trainer then treats the sampler's weights as
+        # unknown and pushes in full (the data plane's DECISION has no such gap).
+        remaining = context.time_remaining()  # ~9.2e18 s for a call without a deadline
+        deadline = time.time() + remaining if remaining < _NO_DEADLINE_S else None
         try:
             result = self.weights.apply_push(_paced(request_iterator, idle_s),
-                                             sender_alive=sender_alive)
+                                             sender_alive=sender_alive, deadline=deadline)
         except WireError as e:
             record_push(None, e.code, e.message, self.weights.version)
             context.abort(e.code, e.message)
@@ -159,6 +166,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             log.exception("rollout failed", extra={"request_id": request.request_id})
             context.abort(grpc.StatusCode.INTERNAL, f"rollout failed: {e!r}")
         metrics.REQUESTS.labels("Rollout", "OK").inc()
+
+
+_NO_DEADLINE_S = 1e12
 
 
 def _paced(messages: Iterator, idle_s: float) -> Iterator:

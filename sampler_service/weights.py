@@ -25,8 +25,8 @@ it (gRPC ``PushWeights`` through :meth:`WeightStore.apply_push`, or the bulk dat
    ones), are on device, and are finite (else INVALID_ARGUMENT naming the tensors with NaN/Inf
    and how many: a diverged trainer must not poison the samplers);
 5. :meth:`PushSession.swap`: if the sender is still there (``sender_alive``: connected, within
-   its deadline; else CANCELLED: a push its sender gave up on is never applied), the new state
-   replaces the old one in one assignment under the lock.
+   its deadline as this sampler counts it; else CANCELLED: a push its sender gave up on is
+   never applied), the new state replaces the old one in one assignment under the lock.
 
 An **adapter push** (``header.lora``, LoRA runs) carries only the adapters' factors (whole,
 float32). The sampler merges them into the base checkpoint it loaded at start and kept
@@ -441,9 +441,11 @@ class WeightStore:
                             "weights; start it from the trainer's model.path")
         wire.spec_from_header(header.lora, self.config)
 
-    def begin_push(self, header: sampler_pb2.PushHeader) -> PushSession:
+    def begin_push(self, header: sampler_pb2.PushHeader, *,
+                   deadline: float | None = None) -> PushSession:
         """Take the push lock (ABORTED if another push holds it), check ``header``, and return
-        the session that receives the push."""
+        the session that receives the push. ``deadline`` (seconds since the epoch) is the
+        sender's deadline as this sampler holds it, for the log line (gRPC pushes)."""
         if not self._push_lock.acquire(blocking=False):
             busy = self._pushing
             what = f"version {busy[0]} from {busy[1] or 'an unnamed sender'}" if busy else "one"
@@ -456,7 +458,7 @@ class WeightStore:
             log.info("weight push started", extra={
                 "push_version": header.version, "sender": header.sender,
                 "total_bytes": header.total_bytes, "delta": bool(header.base_id),
-                "reset": header.reset})
+                "reset": header.reset, "deadline": deadline})
             return PushSession(self, header)
         except BaseException:
             self._pushing = None
@@ -464,16 +466,17 @@ class WeightStore:
             raise
 
     def apply_push(self, messages: Iterable[sampler_pb2.WeightPushMessage], *,
-                   sender_alive: Callable[[], bool] = lambda: True) -> PushResult:
+                   sender_alive: Callable[[], bool] = lambda: True,
+                   deadline: float | None = None) -> PushResult:
         """Receive, verify, stage and swap in one push given as ``WeightPushMessage``s (the
-        gRPC transport). Raises :class:`WireError`."""
+        gRPC transport, ``deadline`` the call's). Raises :class:`WireError`."""
         messages = iter(messages)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
             got = "nothing" if first is None else f"a {first.WhichOneof('kind')}"
             raise WireError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"a push must start with a PushHeader, got {got}")
-        with self.begin_push(first.header) as session:
+        with self.begin_push(first.header, deadline=deadline) as session:
             for message in messages:
                 kind = message.WhichOneof("kind")
                 if kind != "chunk":
