@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ import pytest
 import yaml
 from reward_server_setup import MARKER, SERVER_CONFIG
 
+from trainer_service.launcher import free_port, release_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -52,7 +47,8 @@ def reward_server(tmp_path_factory) -> RunningServer:
         if function.get("options", {}).get("marker") == MARKER:
             function["options"]["marker"] = str(tmp / MARKER)
     config.write_text(yaml.safe_dump(settings))
-    address = f"127.0.0.1:{_free_port()}"
+    port = free_port()
+    address = f"127.0.0.1:{port}"
     log_path = tmp / "server.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
     with open(log_path, "w") as log:
@@ -75,6 +71,7 @@ def reward_server(tmp_path_factory) -> RunningServer:
     except subprocess.TimeoutExpired:
         process.kill()
         pytest.fail(f"reward server ignored SIGTERM:\n{server.log()[-3000:]}")
+    release_port(port)
     assert code == 0, f"reward server exited with {code}:\n{server.log()[-3000:]}"
 
 
