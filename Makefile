@@ -23,11 +23,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/splitrl demo
 
+# Two pytest-xdist workers, a test module at a time each (a module's tests stay together, in
+# file order: module fixtures start service processes, and some tests build on the previous
+# one's state). Most in-process tests keep one core busy, so two workers fill both.
+XDIST := -n 2 --dist loadscope
+
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -q --durations=15
+	$(BIN)/python -m pytest tests -q --durations=15 $(XDIST)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -q -m 'not slow'
+	$(BIN)/python -m pytest tests -q -m 'not slow' $(XDIST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
