@@ -204,10 +204,12 @@ def test_a_silent_push_is_abandoned_at_the_idle_deadline_on_both_transports(samp
 
 
 def _wait_for(predicate, timeout_s: float, what: str):
+    """The first true value of ``predicate()``, polled until ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if predicate():
-            return
+        value = predicate()
+        if value:
+            return value
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
 
@@ -250,8 +252,9 @@ def test_a_push_its_sender_gave_up_on_is_never_applied(sampler):
 
     pusher = threading.Thread(target=push)
     pusher.start()
-    _wait_for(lambda: _push_started(proc, log_size), 30, "the sampler to start receiving the push")
-    sampler_deadline = _push_started(proc, log_size)["deadline"]
+    started = _wait_for(lambda: _push_started(proc, log_size), 30,
+                        "the sampler to start receiving the push")
+    sampler_deadline = started["deadline"]
     time.sleep(0.5)  # let it take in the rest (the outcome below must not depend on it)
     os.kill(pid, signal.SIGSTOP)
     try:
