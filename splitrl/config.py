@@ -32,6 +32,7 @@ from pydantic import (
 from splitrl.config_base import (  # noqa: F401  (re-exported: the config's public API)
     ConfigError,
     Section,
+    load_yaml,
     merge_overrides,
     parse_override,
     validate,
@@ -559,7 +560,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        loaded = load_yaml(p.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level")
         data = loaded

@@ -18,6 +18,7 @@ config is prefixed here (``trainer.mesh.axes: ...``).
 
 from __future__ import annotations
 
+import re
 import typing
 from typing import Any, Literal
 
@@ -27,6 +28,39 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 class ConfigError(ValueError):
     """A config key is unknown, has the wrong type, or holds a value out of range."""
+
+
+# ----------------------------------------------------------------------------------------------
+# YAML, with numbers as people write them
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: ``1e-6``, ``3E-4`` and ``5e3`` are floats.
+
+    PyYAML implements YAML 1.1, whose float pattern needs a dot and a signed exponent
+    (``1.0e-6``), so ``lr: 1e-6`` -- how every TRL, verl or optax user writes a learning rate --
+    loaded as the string ``'1e-6'`` and failed strict validation.
+    """
+
+
+_FLOAT_1_2 = re.compile(r"""^(?:
+     [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.VERBOSE)
+
+# The implicit resolvers are a class-level dict shared with SafeLoader: copy before adding.
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:float"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2,
+                                   list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed as YAML the way a config's author means it (see :class:`ConfigLoader`)."""
+    return yaml.load(text, Loader=ConfigLoader)  # a SafeLoader: no arbitrary objects
 
 
 class Section(BaseModel):
@@ -189,7 +223,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override '{text}': empty key")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = load_yaml(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{text}': value is not valid YAML: {e}") from None
     return key, value

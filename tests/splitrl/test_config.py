@@ -16,6 +16,7 @@ from splitrl.config import (
     RewardFunctionConfig,
     dump_config,
     load_config,
+    load_yaml,
     parse_override,
 )
 
@@ -36,6 +37,21 @@ def test_yaml_and_overrides_compose(tmp_path):
     assert cfg.algorithm.loss == "gspo"
     assert cfg.sampling.top_k == 5
     assert cfg.trainer.mesh.axes == {"fsdp": 4}
+
+
+def test_numbers_parse_as_written_in_yaml_and_overrides(tmp_path):
+    """``lr: 1e-6`` is a float (YAML 1.2), though PyYAML's YAML 1.1 reads it as a string."""
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  optimizer:\n    lr: 1e-6\n    weight_decay: 1E-5\n")
+    cfg = load_config(path, ["sampling.temperature=7e-1"])
+    assert cfg.trainer.optimizer.lr == 1e-6
+    assert cfg.trainer.optimizer.weight_decay == 1e-5
+    assert cfg.sampling.temperature == 0.7
+    assert load_config(None, ["trainer.optimizer.lr=3e-4"]).trainer.optimizer.lr == 3e-4
+    for text, value in [("-2.5e3", -2500.0), ("+1e3", 1000.0), ("-.5", -0.5), ("1.", 1.0),
+                        (".inf", float("inf")), ("12", 12), ("1e", "1e"), ("e5", "e5"),
+                        ("v1e3", "v1e3")]:
+        assert load_yaml(text) == value and type(load_yaml(text)) is type(value), text
 
 
 def test_unknown_key_names_the_key(tmp_path):
