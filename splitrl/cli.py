@@ -88,16 +88,21 @@ def _health_auth(args: argparse.Namespace) -> AuthConfig:
 
 
 def _health(args: argparse.Namespace) -> int:
-    from splitrl.serving import check_health
+    """Exit 0 when SERVING, 1 when a server answered otherwise (or failed the call), 3 when
+    nothing accepts connections at the address, 2 when the credentials cannot be read."""
+    from splitrl.serving import UNREACHABLE, health_status
 
     try:
-        ok = check_health(args.address, args.service, timeout_s=args.timeout,
-                          auth=_health_auth(args))
+        status, detail = health_status(args.address, args.service, timeout_s=args.timeout,
+                                       auth=_health_auth(args))
     except OSError as e:  # a token_file or certificate that is not there
         print(f"splitrl health: {e}", file=sys.stderr)
         return 2
-    print("SERVING" if ok else "NOT_SERVING")
-    return 0 if ok else 1
+    if status == UNREACHABLE:
+        print(f"{status}: nothing accepts connections at {args.address} ({detail})")
+        return 3
+    print(status if not detail else f"{status}: {detail}")
+    return 0 if status == "SERVING" else 1
 
 
 def _show_config(args: argparse.Namespace) -> int:
@@ -260,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_init_model)
 
-    p = sub.add_parser("health", help="standard gRPC health check; exit 0 when SERVING")
+    p = sub.add_parser("health", help="standard gRPC health check; exit 0 when SERVING, 1 "
+                       "when not, 3 when the address is unreachable")
     p.add_argument("address", help="host:port")
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)

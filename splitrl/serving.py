@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -467,15 +468,48 @@ def make_channel(
     return grpc.intercept_channel(channel, _TokenClientInterceptor(token)) if token else channel
 
 
+UNREACHABLE = "UNREACHABLE"
+
+
 def check_health(
     address: str, service: str = "", timeout_s: float = 3.0, auth: AuthConfig | None = None
 ) -> bool:
     """True if ``address`` answers the standard health check with SERVING (with the
     credentials of ``auth``, as every channel)."""
+    return health_status(address, service, timeout_s, auth)[0] == "SERVING"
+
+
+def health_status(
+    address: str, service: str = "", timeout_s: float = 3.0, auth: AuthConfig | None = None
+) -> tuple[str, str]:
+    """(status, detail) of the standard health check at ``address``: the answer's name
+    (SERVING, NOT_SERVING, SERVICE_UNKNOWN); :data:`UNREACHABLE` when nothing there accepts a
+    TCP connection (refused, no route, unknown host); else the gRPC code of a call that reached
+    a listener and failed (UNAVAILABLE for a refused TLS handshake, UNAUTHENTICATED,
+    UNIMPLEMENTED for a server without the health service, DEADLINE_EXCEEDED), with what gRPC
+    said. gRPC reports a closed port and a failed handshake alike (UNAVAILABLE), so that code
+    is told apart by trying the TCP connection itself."""
     with make_channel(address, auth=auth) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                refused = _tcp_refused(address, timeout_s)
+                if refused is not None:
+                    return UNREACHABLE, refused
+            return e.code().name, e.details() or ""
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status), ""
+
+
+def _tcp_refused(address: str, timeout_s: float) -> str | None:
+    """Why no TCP connection to ``host:port`` can be made, or None when one can (or the
+    address is not of that form, e.g. a ``unix:`` socket)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -27,15 +28,19 @@ def test_config_errors_exit_2_with_the_key(capsys):
     assert "unknown key 'trainer.stpes'" in capsys.readouterr().err
 
 
-def test_health_of_nothing_is_not_serving():
+def test_health_of_a_closed_port_says_unreachable_and_exits_3():
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "splitrl", "health", "127.0.0.1:1", "--timeout", "0.5"],
+        [sys.executable, "-m", "splitrl", "health", f"127.0.0.1:{port}", "--timeout", "0.5"],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 1
-    assert "NOT_SERVING" in proc.stdout
+    assert proc.returncode == 3
+    assert proc.stdout.startswith(f"UNREACHABLE: nothing accepts connections at 127.0.0.1:{port}")
+    assert "NOT_SERVING" not in proc.stdout
 
 
 def test_list_rewards_shows_built_ins_with_options_and_the_configured_styles(capsys, tmp_path,

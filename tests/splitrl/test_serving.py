@@ -14,8 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitrl.config import AuthConfig
 from splitrl.serving import (
     AUTH_METADATA_KEY,
+    UNREACHABLE,
     auth_metadata,
     check_health,
+    health_status,
     make_channel,
     start_server,
 )
@@ -137,8 +139,10 @@ def test_graceful_stop_marks_not_serving():
     server.set_serving(False)
     reply = server.health.Check(health_pb2.HealthCheckRequest(service="test.Echo"), None)
     assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert health_status(server.address, timeout_s=2) == ("NOT_SERVING", "")  # reachable
     server.stop(0)
     assert not check_health(server.address, timeout_s=0.5)
+    assert health_status(server.address, timeout_s=0.5)[0] == UNREACHABLE  # the port is closed
 
 
 def test_busy_calls_cannot_starve_health_checks():
