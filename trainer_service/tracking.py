@@ -33,7 +33,8 @@ _TEXT_LIMIT = 400  # characters of a prompt or completion shown in a table cell
 
 
 class TrackerMissing(ValueError):
-    """A tracker is configured but its library is not installed (the trainer cannot start)."""
+    """A tracker is configured but cannot be used: its library is not installed, or wandb has
+    no credentials and is not offline (the trainer cannot start)."""
 
 
 def _require(tracker: str):
@@ -49,7 +50,8 @@ _MODULES = {"tensorboard": ("tensorboardX", "tensorboard"), "wandb": ("wandb", "
 
 
 def missing_trackers(report_to) -> str | None:
-    """Why a configured tracker cannot be used (its library is missing), or None."""
+    """Why a configured tracker cannot be used, or None: its library is missing, or (wandb)
+    it would upload but has no credentials (:func:`wandb_credentials_problem`)."""
     import importlib.util
 
     for name in report_to:
@@ -57,7 +59,58 @@ def missing_trackers(report_to) -> str | None:
         if importlib.util.find_spec(module) is None:
             return (f"trainer.report_to includes {name!r} but {module} is not installed: pip "
                     f"install 'splitrl[{extra}]' (or remove {name!r} from trainer.report_to)")
+    if "wandb" in report_to:
+        return wandb_credentials_problem(os.environ)
     return None
+
+
+_WANDB_LOCAL_MODES = ("offline", "dryrun", "disabled")
+
+
+def wandb_credentials_problem(env) -> str | None:
+    """Why ``wandb.init`` would fail for want of an API key, or None, from the places wandb
+    reads before it asks: ``WANDB_MODE`` (offline, dryrun, disabled need no key) or
+    ``WANDB_DISABLED``; the key in ``WANDB_API_KEY`` or ``WANDB_IDENTITY_TOKEN_FILE``, a netrc
+    entry for the server's host (``$NETRC``, else ``~/.netrc`` or ``~/_netrc``; what ``wandb
+    login`` writes), or ``mode``/``api_key`` in wandb's global settings file
+    (``$WANDB_CONFIG_DIR/settings``, default ``~/.config/wandb/settings``). Without any of
+    them a run would start every service and fail at the trainer's first ``wandb.init``
+    (in a terminal, wait at a login prompt). Whether a found key is valid is not checked
+    (that needs the server)."""
+    import configparser
+    import netrc
+    from urllib.parse import urlsplit
+
+    settings = configparser.ConfigParser()
+    config_dir = Path(env.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb")
+    try:
+        settings.read(config_dir / "settings")
+    except configparser.Error:
+        pass  # wandb warns about such a file and ignores it
+    saved = settings["default"] if settings.has_section("default") else {}
+    mode = (env.get("WANDB_MODE") or saved.get("mode") or "").strip().lower()
+    disabled = env.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes")
+    if mode in _WANDB_LOCAL_MODES or disabled:
+        return None
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") or saved.get("api_key"):
+        return None
+    base_url = env.get("WANDB_BASE_URL") or saved.get("base_url") or "https://api.wandb.ai"
+    host = urlsplit(base_url).netloc
+    if env.get("NETRC"):
+        candidates = [Path(env["NETRC"]).expanduser()]
+    else:
+        candidates = [Path.home() / ".netrc", Path.home() / "_netrc"]
+    for path in candidates:
+        try:
+            entry = netrc.netrc(path).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            continue
+        if entry and entry[2]:
+            return None
+    return (f"trainer.report_to includes 'wandb' but wandb has no API key for {host} (no "
+            f"WANDB_API_KEY, no netrc entry from `wandb login`) and is not offline: run "
+            f"`wandb login`, or set WANDB_API_KEY, or log locally with WANDB_MODE=offline "
+            f"(`wandb sync` uploads it later), or remove 'wandb' from trainer.report_to")
 
 
 def _scalars(record: dict[str, Any]) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Trackers: TensorBoard event files read back with tensorboard's own reader, a wandb offline run
-read back with wandb's own (``wandb leet inspect``), and a clear error for a missing extra."""
+read back with wandb's own (``wandb leet inspect``), and a clear error for a missing extra or
+wandb credentials that are not there."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from splitrl.config import load_config
 from trainer_service.orchestration.rollouts import Completion, RolloutGroup, WorkItem
-from trainer_service.tracking import Trackers, missing_trackers
+from trainer_service.tracking import (
+    TrackerMissing,
+    Trackers,
+    WandbTracker,
+    missing_trackers,
+    wandb_credentials_problem,
+)
 
 RECORDS = [
     {"step": 0, "version": 0, "eval_before/accuracy": 0.25},
@@ -102,3 +111,36 @@ def test_a_configured_tracker_that_is_not_installed_names_the_extra(monkeypatch)
     assert problem == ("trainer.report_to includes 'wandb' but wandb is not installed: pip "
                        "install 'splitrl[wandb]' (or remove 'wandb' from trainer.report_to)")
     assert missing_trackers(["tensorboard"]) is None
+
+
+def test_wandb_without_a_key_and_not_offline_is_named_with_the_ways_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no ~/.config/wandb/settings
+    problem = wandb_credentials_problem({})
+    assert "wandb has no API key for api.wandb.ai" in problem
+    assert "`wandb login`" in problem and "WANDB_MODE=offline" in problem
+    for env in ({"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"},
+                {"WANDB_DISABLED": "true"}, {"WANDB_API_KEY": "k" * 40}):
+        assert wandb_credentials_problem(env) is None, env
+    # What `wandb login` writes: a netrc entry for the server's host.
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    assert wandb_credentials_problem({}) is None
+    other = wandb_credentials_problem({"WANDB_BASE_URL": "https://wandb.example.com"})
+    assert "no API key for wandb.example.com" in other
+    # `mode = offline` in wandb's global settings file counts like WANDB_MODE.
+    settings = tmp_path / "wandb-config" / "settings"
+    settings.parent.mkdir()
+    settings.write_text("[default]\nmode = offline\n")
+    assert wandb_credentials_problem({"WANDB_CONFIG_DIR": str(settings.parent),
+                                      "NETRC": str(tmp_path / "none")}) is None
+    assert wandb_credentials_problem({"NETRC": str(tmp_path / "none")}) is not None
+
+
+def test_the_trainer_refuses_wandb_without_credentials_before_logging_anything(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DISABLED", "NETRC", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    assert "WANDB_MODE=offline" in missing_trackers(["tensorboard", "wandb"])
+    with pytest.raises(TrackerMissing, match="wandb login"):
+        WandbTracker(tmp_path, {}, "no-key")
+    assert not (tmp_path / "wandb").exists()
