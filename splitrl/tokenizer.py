@@ -140,13 +140,17 @@ def _save(tok: Tokenizer, out_dir: str | os.PathLike, *, unk_token: str | None) 
 
 
 def has_tokenizer(model_dir: str | os.PathLike) -> bool:
-    """Whether ``model_dir`` holds a tokenizer (``tokenizer.json`` or ``tokenizer_config.json``)."""
-    return any((Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    """Whether ``model_dir`` holds tokenizer files (``splitrl.model_path.TOKENIZER_FILES``)."""
+    from splitrl.model_path import missing_files
+
+    return not missing_files(Path(model_dir), config=False, weights=False)
 
 
 def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
     """The checkpoint's tokenizer from a local directory (never touches the hub for one) or a
-    hub name (honours HF_HUB_OFFLINE).
+    hub name (honours HF_HUB_OFFLINE). A directory without tokenizer files, a path that does not
+    exist, or a hub id the hub (or its cache) does not have raises
+    ``splitrl.model_path.ModelPathError`` naming the path and what is missing.
 
     With ``tokenizer_class`` (``model.tokenizer_class``) that `transformers` class loads it;
     without, `AutoTokenizer` chooses the class. Both end in the same ``from_pretrained`` of the
@@ -154,13 +158,24 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
     difference is the cost: AutoTokenizer resolves through `transformers`' config module, which
     imports torch whenever torch is installed (~3 s of CPU in every process), and a named class
     does not."""
-    local = Path(path).is_dir()
-    if tokenizer_class is None:
-        from transformers import AutoTokenizer
+    from splitrl.model_path import hub_error, incomplete, local_dir, missing_files
 
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=local)
-    return tokenizer_class_named(tokenizer_class).from_pretrained(str(path),
-                                                                  local_files_only=local)
+    local = local_dir(path)
+    if local is not None:
+        missing = missing_files(local, config=False, weights=False)
+        if missing:
+            raise incomplete(local, missing)
+    try:
+        if tokenizer_class is None:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=local is not None)
+        return tokenizer_class_named(tokenizer_class).from_pretrained(
+            str(path), local_files_only=local is not None)
+    except (OSError, ValueError) as e:
+        if local is None:
+            raise hub_error(path, e) from None
+        raise
 
 
 # A checkpoint's weights: files no tokenizer reads (and the largest ones).

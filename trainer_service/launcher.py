@@ -463,11 +463,16 @@ class PhaseReporter:
 
 
 def preflight(cfg: Config) -> str | None:
-    """What stops the run before any service starts: unusable data, a run directory whose
-    checkpoint belongs to another config, a tracker that is not installed."""
+    """What stops the run before any service starts: a model path with no model, unusable
+    data, a run directory whose checkpoint belongs to another config, a tracker that is not
+    installed."""
+    from splitrl.model_path import model_problem
     from trainer_service.resume import resume_problem
     from trainer_service.tracking import missing_trackers
 
+    problem = model_problem(cfg.model.path)
+    if problem is not None:
+        return f"the model cannot be used: {problem}"
     problem = check_data(cfg)
     if problem is not None:
         return f"the data cannot be used: {problem}"

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from splitrl.model_path import checkpoint_dir
 from splitrl.models.config import TransformerConfig
 from splitrl.models.params import (
     hf_state_dict,
@@ -37,10 +38,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def load_config(path: str | os.PathLike) -> TransformerConfig:
-    """The `TransformerConfig` of a HF checkpoint directory."""
-    config_path = Path(path) / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
+    """The `TransformerConfig` of a HF checkpoint directory (or hub id: its cached snapshot)."""
+    config_path = checkpoint_dir(path, weights=False) / "config.json"
     return TransformerConfig.from_hf_dict(json.loads(config_path.read_text()))
 
 
@@ -53,8 +52,11 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=N
     each tensor is placed as it is read, so the full model never sits on one device. Rotary
     `inv_freq` buffers and a redundant `lm_head.weight` of a tied model are ignored, as
     transformers does; any other missing or unknown tensor, or a wrong shape, raises a
-    ValueError naming it.
+    ValueError naming it. A hub id is read from the hub's snapshot (its cache when offline);
+    a path that names no checkpoint raises `splitrl.model_path.ModelPathError` saying what is
+    missing where.
     """
+    path = checkpoint_dir(path)
     config = load_config(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     shardings = shardings or {}
@@ -129,6 +131,7 @@ def checkpoint_fingerprint(path: str | os.PathLike) -> str:
     once through mmap (CRC-32C runs at memory speed), so a sampler and a trainer can check
     cheaply that they start from the same base weights (LoRA adapter pushes need it).
     """
+    path = checkpoint_dir(path)
     config = load_config(path)
     entries = []
     for file, names in _weight_files(Path(path)).items():

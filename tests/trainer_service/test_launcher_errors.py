@@ -83,6 +83,19 @@ def test_bad_data_fails_before_any_service_starts(arith_model, tmp_path, capsys,
     assert not (tmp_path / "run" / "logs").exists()
 
 
+def test_a_model_path_without_a_model_fails_before_any_service_starts(arith_model, tmp_path,
+                                                                       capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, fragment in [(tmp_path / "nope", "no such directory"),
+                           (empty, "has no config.json, no weights")]:
+        assert launcher.main(config(arith_model, tmp_path / "run", f"model.path={path}")) == 2
+        err = capsys.readouterr().err
+        assert "splitrl up: the model cannot be used: model " in err and str(path) in err
+        assert fragment in err
+    assert not (tmp_path / "run" / "logs").exists()
+
+
 def test_a_length_check_that_passed_is_remembered_and_other_data_is_checked_again(
         arith_model, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPLITRL_CACHE_DIR", str(tmp_path / "cache"))
