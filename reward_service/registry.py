@@ -12,13 +12,13 @@ A function may explain a score by returning a :class:`RewardValue` (a ``float`` 
 
 Built-ins are registered as *factories*: ``factory(**options) -> reward function``, so that
 options from the config (a pattern, a token budget) are checked once at start-up. For a user
-function the configured options are passed as extra keyword arguments.
+function the configured options are passed as extra keyword arguments. A user module is looked
+for beside the config file, then in the current directory (``splitrl/user_code.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +26,7 @@ from typing import Any
 
 from reward_service import conventions
 from splitrl.reward_protocol import RESERVED_KEYWORDS  # noqa: F401  (re-exported)
+from splitrl.user_code import import_user_module
 
 RewardFn = Callable[..., Sequence[float]]
 # Item fields a direct call (RewardFunction.__call__) may pass as keyword lists; any other
@@ -108,7 +109,7 @@ def _import_target(target: str) -> Callable:
         raise ValueError(f"reward function {target!r}: expected a built-in name "
                          f"({', '.join(builtin_names())}) or 'module:function'")
     try:
-        module = importlib.import_module(module_name)
+        module = import_user_module(module_name)
     except Exception as e:  # noqa: BLE001 - a user module may fail to import in any way
         raise ValueError(f"reward function {target!r}: cannot import module "
                          f"{module_name!r}: {type(e).__name__}: {e}") from None

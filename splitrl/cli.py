@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from splitrl import plan_command
 from splitrl.config import AuthConfig, Config, ConfigError, dump_config, load_config
+from splitrl.user_code import add_config_dir
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -129,16 +130,22 @@ def _demo(args: argparse.Namespace) -> int | None:
 
 def _list_rewards(args: argparse.Namespace) -> int:
     import inspect
+    import textwrap
 
     from reward_service.registry import builtin_names, builtin_options, describe
 
     print("Built-in reward functions (reward.functions[].name; options go in .options):")
-    for name in builtin_names():
-        print(f"  {name:<14}{describe(name)}")
+    names = builtin_names()
+    indent = " " * (4 + max(map(len, names)))  # the longest name, then two spaces
+    for name in names:
         options = [k if v is inspect.Parameter.empty else f"{k}={v!r}"
                    for k, v in builtin_options(name).items()]
-        print(f"  {'':<14}options: {', '.join(options) or '(none)'}")
-    print("\nYour own: name: 'module:function' (importable by the reward service), in any of")
+        for text, first in ((describe(name), f"  {name}".ljust(len(indent))),
+                            (f"options: {', '.join(options) or '(none)'}", indent)):
+            print(textwrap.fill(text, 100, initial_indent=first, subsequent_indent=indent,
+                                break_long_words=False, break_on_hyphens=False))
+    print("\nYour own: name: 'module:function' (a module beside the config file, in the current")
+    print("directory or installed), in any of")
     print("  TRL's      f(completions, **kwargs)   keywords: prompts, completions, completion_ids,")
     print("             trainer_state, reference and every dataset column")
     print("  EasyDeL's  f(prompts, completions, batch, **kwargs)")
@@ -350,6 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if getattr(args, "config", None):  # user modules (module:function) beside the config
+        add_config_dir(args.config)
     try:
         result = args.func(args)
     except ConfigError as e:

@@ -88,3 +88,13 @@ def test_overrides_may_follow_options_and_strays_are_still_refused():
         _parse(parser, ["eval", "m", "--bogus"])
     with pytest.raises(SystemExit):
         _parse(parser, ["plot", "runs/x", "a=b"])  # plot takes no overrides
+
+
+def test_list_rewards_keeps_every_name_apart_from_its_description(capsys):
+    from reward_service.registry import builtin_names
+
+    assert main(["list", "rewards"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name in builtin_names():  # the longest one ran into its description
+        assert any(line.startswith(f"  {name}  ") for line in lines), name
+    assert all(len(line) <= 100 for line in lines if "pattern=" not in line)
