@@ -134,6 +134,14 @@ class MeshConfig(Section):
                 f"mesh.device_fraction: expected 0 < fraction <= 1, got {self.device_fraction}"
             )
 
+    def devices_needed(self) -> int:
+        """The fewest devices a process needs for this mesh (a -1 axis gets one device): the
+        device count a launcher or a CPU plan emulates for the service."""
+        import math
+
+        fixed = math.prod(v for v in self.axes.values() if v > 0)
+        return max(1, int(math.ceil(fixed / self.device_fraction)) + self.device_offset)
+
 
 class SamplingConfig(Section):
     """Sampling used for rollouts. Logprobs are reported under the temperature-scaled

@@ -27,7 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--trainer-topology", help="the trainer's slice, e.g. v5p:2x2x1 or v5p-8")
     p.add_argument("--sampler-topology", help="one sampler's slice, e.g. v5e:2x2")
     p.add_argument("--cpu-devices", type=int, default=8,
-                   help="with --platform cpu: how many CPU devices to emulate (default 8)")
+                   help="with --platform cpu: how many CPU devices to emulate (default 8, or "
+                   "more when a service's mesh asks for more); a service with a fixed mesh "
+                   "plans on the devices it asks for, one with a -1 axis on all of them")
     p.add_argument("--hbm-gib", type=float, help="memory per device (default: the chip's HBM; "
                    "on cpu: the host's RAM shared by the devices)")
     p.add_argument("--only", choices=["trainer", "sampler"], help="plan one service")
@@ -61,14 +63,34 @@ class _PlanError(ValueError):
     pass
 
 
-def _targets(args) -> dict:
+def _services(args) -> list[str]:
+    return [args.only] if args.only else ["trainer", "sampler"]
+
+
+def _meshes(cfg) -> dict:
+    return {"trainer": cfg.trainer.mesh, "sampler": cfg.sampler.mesh}
+
+
+def _cpu_devices(args, cfg) -> int:
+    """The CPU devices to emulate: --cpu-devices, or more when a service's mesh needs more."""
+    return max([args.cpu_devices, *(_meshes(cfg)[s].devices_needed() for s in _services(args))])
+
+
+def _targets(args, cfg) -> dict:
+    """Each service's target. On CPU one process emulates :func:`_cpu_devices` devices and each
+    service gets the devices its own mesh asks for (a trainer on 4 and samplers on 2, as
+    `splitrl up` starts them); a mesh with a -1 axis gets all of them."""
+    import dataclasses
+
     from splitrl.planning import cpu_target, tpu_target
 
     hbm = None if args.hbm_gib is None else int(args.hbm_gib * 1024**3)
-    services = [args.only] if args.only else ["trainer", "sampler"]
+    services = _services(args)
     if args.platform == "cpu":
         target = cpu_target(hbm)
-        return {s: target for s in services}
+        meshes = _meshes(cfg)
+        return {s: target if -1 in meshes[s].axes.values() else dataclasses.replace(
+            target, devices=target.devices[:meshes[s].devices_needed()]) for s in services}
     named = {"trainer": args.trainer_topology or args.topology,
              "sampler": args.sampler_topology or args.topology}
     missing = [s for s in services if not named[s]]
@@ -82,43 +104,53 @@ def _targets(args) -> dict:
     return {s: made[named[s]] for s in services}
 
 
-def _jax_environment(args) -> None:
+def _jax_environment(args, cfg) -> None:
     """Before jax starts: a plan runs nothing on an accelerator (TPU programs are compiled by
     libtpu's compile-only client), so the runtime is the CPU; --platform cpu emulates
-    --cpu-devices of it."""
+    :func:`_cpu_devices` of it."""
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
     if args.platform == "cpu" and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}").strip()
+            f"{flags} --xla_force_host_platform_device_count={_cpu_devices(args, cfg)}").strip()
 
 
 def run(args: argparse.Namespace) -> int:
-    _jax_environment(args)
-    from splitrl.config import load_config
+    from splitrl.config import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    if args.model:  # the run's model.path is the checkpoint planned
+        path = Path(args.model)
+        overrides.append(f"model.path={path.parent if path.suffix == '.json' else path}")
+    cfg = load_config(args.config, overrides)  # no jax yet: it sizes the emulated devices
+    _jax_environment(args, cfg)
     from splitrl.planning import PlanError, format_reports, libtpu_installed, plan_run
     from splitrl.planning.targets import LIBTPU_MISSING
 
     if args.platform == "tpu" and not libtpu_installed():
         print(f"splitrl plan: {LIBTPU_MISSING}", file=sys.stderr)
         return 2
-    overrides = list(args.overrides)
-    if args.model:  # the run's model.path is the checkpoint planned
-        path = Path(args.model)
-        overrides.append(f"model.path={path.parent if path.suffix == '.json' else path}")
-    cfg = load_config(args.config, overrides)
     try:
         model_config = _model_config(args, cfg)
-        targets = _targets(args)
-        reports = plan_run(cfg, model_config, targets, search=not args.no_search,
-                           extrapolate_layers=args.extrapolate_layers)
+        targets = _targets(args, cfg)
     except (PlanError, _PlanError) as e:
         print(f"splitrl plan: {e}", file=sys.stderr)
         return 2
+    reports, failures = [], []
+    for service, target in targets.items():  # one service's failure keeps the other's report
+        try:
+            reports += plan_run(cfg, model_config, {service: target}, search=not args.no_search,
+                                extrapolate_layers=args.extrapolate_layers)
+        except (PlanError, ConfigError) as e:
+            failures.append(f"{service}: {e}")
     if args.json:
         print(json.dumps([r.to_json() for r in reports], indent=2))
-    else:
+    elif reports:
         print(format_reports(reports))
+    for failure in failures:
+        print(f"splitrl plan: {failure}", file=sys.stderr)
+    if failures:
+        return 2
     return 0 if all(r.fits for r in reports) else 1

@@ -24,7 +24,6 @@ launcher says where it stopped and that the same command continues from there; e
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import signal
@@ -36,7 +35,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from splitrl.config import Config, MeshConfig, dump_config
+from splitrl.config import Config, dump_config
 from splitrl.retry import wait_until
 from splitrl.serving import LAUNCHER_PID_ENV, check_health, make_channel
 from splitrl.user_cache import cache_dir
@@ -79,12 +78,6 @@ def release_port(port: int) -> None:
     sock = _HELD_PORTS.pop(port, None)
     if sock is not None:
         sock.close()
-
-
-def devices_for(mesh: MeshConfig) -> int:
-    """Emulated devices a process needs for ``mesh`` (a -1 axis gets one device)."""
-    fixed = math.prod(v for v in mesh.axes.values() if v > 0)
-    return max(1, int(math.ceil(fixed / mesh.device_fraction)) + mesh.device_offset)
 
 
 class Launcher:
@@ -189,7 +182,7 @@ class Launcher:
             f"sampler-{index}",
             "sampler",
             [f"services.sampler_port={port}", f"run_name={self.cfg.run_name}-sampler-{index}"],
-            devices_for(self.cfg.sampler.mesh),
+            self.cfg.sampler.mesh.devices_needed(),
         )
         return address
 
@@ -223,7 +216,7 @@ class Launcher:
             "trainer",
             "trainer",
             [f"services.sampler_addresses={addresses}"],
-            devices_for(self.cfg.trainer.mesh),
+            self.cfg.trainer.mesh.devices_needed(),
         )
 
     def signal_stop(self) -> None:

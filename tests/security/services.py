@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitrl.config import AuthConfig, load_config
-from trainer_service.launcher import Launcher, devices_for
+from trainer_service.launcher import Launcher
 
 TOKEN = "fuzz-and-auth-token"
 AUTH = AuthConfig(token=TOKEN)
@@ -71,7 +71,7 @@ def start_services(directory: Path, model_dir: Path) -> tuple[Launcher, dict[str
         launcher.start("reward", "reward", [])
         sampler = launcher.start_sampler(0, launcher.sampler_addresses[0])
         launcher.start("trainer", "trainer", ["services.sampler_addresses=[]"],
-                       devices_for(cfg.trainer.mesh))
+                       cfg.trainer.mesh.devices_needed())
         running = {"reward": launcher.reward_address, "sampler": sampler,
                    "trainer": launcher.trainer_address}
         names = {"reward": "reward", "sampler": "sampler-0", "trainer": "trainer"}

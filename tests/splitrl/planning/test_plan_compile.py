@@ -95,6 +95,27 @@ def test_plan_exit_codes_say_whether_it_fits(one_layer_config, capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
+def test_cpu_plan_gives_each_service_the_devices_of_its_own_mesh(one_layer_config, capsys):
+    """demo.yaml's trainer (fsdp=4) and samplers (tensor=2) planned together on CPU."""
+    args = ["plan", "--platform", "cpu", "--no-search", "--config", DEMO,
+            "--model", str(one_layer_config)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "trainer: cpu (4 x cpu" in out and "mesh fsdp=4" in out
+    assert "sampler: cpu (2 x cpu" in out and "mesh tensor=2" in out
+
+
+def test_a_service_that_cannot_be_planned_keeps_the_others_report(one_layer_config, capsys):
+    """This test process has 8 CPU devices (a fresh `splitrl plan` would emulate 16): the
+    sampler's mesh of 16 cannot be built, and the trainer's report is still printed."""
+    args = ["plan", "--platform", "cpu", "--no-search", "--config", DEMO,
+            "--model", str(one_layer_config), "sampler.mesh.axes={tensor: 16}"]
+    assert cli.main(args) == 2
+    captured = capsys.readouterr()
+    assert "trainer: cpu (4 x cpu" in captured.out and "peak per device" in captured.out
+    assert "splitrl plan: sampler: mesh.axes {'tensor': 16} need 16 devices" in captured.err
+
+
 def test_plan_refuses_a_model_path_without_config_json(tmp_path, capsys):
     assert cli.main(["plan", "--platform", "cpu", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
