@@ -36,6 +36,7 @@ from importlib import resources
 from pathlib import Path
 
 from splitrl.config import Config, dump_config
+from splitrl.jsonl import drop_torn_tail
 from splitrl.retry import wait_until
 from splitrl.serving import LAUNCHER_PID_ENV, check_health, make_channel
 from splitrl.user_cache import cache_dir
@@ -91,6 +92,10 @@ class Launcher:
         pin_tokenizer_class(cfg)
         dump_config(cfg, self.config_path)
         self.procs: dict[str, subprocess.Popen] = {}
+        # Where each process began writing its log (logs append across attempts): what the
+        # console reports of a process is read from there on, never an earlier attempt's.
+        self.log_starts: dict[str, int] = {}
+        self.started_at = time.time()  # a summary.json older than this is an earlier attempt's
         self.ports: list[int] = []  # every port this launcher holds (free_port), for stop()
         self.reward_address = f"127.0.0.1:{self._port()}"
         self.trainer_address = f"127.0.0.1:{self._port()}"
@@ -136,7 +141,10 @@ class Launcher:
             *self._metrics_override(name),
             *overrides,
         ]
-        log = (self.log_dir / f"{name}.log").open("ab")
+        path = self.log_dir / f"{name}.log"
+        drop_torn_tail(path)  # a killed process's half line: the next one starts a new line
+        log = path.open("ab")
+        self.log_starts[name] = log.tell()
         self.procs[name] = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, env=self._env(devices),
             start_new_session=True,
@@ -171,7 +179,8 @@ class Launcher:
     def exit_report(self, name: str) -> str:
         """``name`` exited: its exit code and the last error lines of its log."""
         log = self.log_dir / f"{name}.log"
-        lines = "\n".join(f"  {line}" for line in error_lines(log))
+        lines = "\n".join(f"  {line}" for line in error_lines(log,
+                                                                 start=self.log_starts[name]))
         return (f"{name} exited with code {self.procs[name].returncode}; last errors in "
                 f"{log}:\n{lines}")
 
@@ -247,6 +256,17 @@ class Launcher:
             release_port(port)
         self.ports.clear()
 
+    def attempt_summary(self) -> dict:
+        """This attempt's ``summary.json`` ({} when its trainer wrote none: an earlier
+        attempt's file is not this one's success)."""
+        path = self.run_dir / "summary.json"
+        try:
+            if path.stat().st_mtime < self.started_at:
+                return {}
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
     def reward_functions(self) -> list[str]:
         """The reward service's functions as "name (style style)": what it loaded, and how it
         will call each one."""
@@ -271,7 +291,8 @@ class Launcher:
         trainer = self.procs["trainer"]
         bar = tqdm(total=self.cfg.trainer.steps, desc="splitrl", unit="step",
                    dynamic_ncols=True, file=sys.stdout)
-        follower = LogFollower({n: self.log_dir / f"{n}.log" for n in self.procs})
+        follower = LogFollower({n: self.log_dir / f"{n}.log" for n in self.procs},
+                               self.log_starts)
         reported: set[str] = set()
         phases = PhaseReporter(bar.write)
         plots_loader = None
@@ -288,10 +309,6 @@ class Launcher:
             while trainer.poll() is None:
                 self.check_interrupted()
                 show_errors()
-                alive = sum(
-                    1 for n, p in self.procs.items() if n.startswith("sampler") and
-                    p.poll() is None
-                )
                 try:
                     status = self.status()
                 except Exception:
@@ -307,7 +324,7 @@ class Launcher:
                     v=status.weight_version,
                     reward=f"{metrics.get('reward/mean', 0.0):.2f}",
                     acc=f"{metrics.get('accuracy/mean', 0.0):.2f}",
-                    samplers=f"{sum(s.healthy for s in status.samplers)}/{alive}",
+                    samplers=sampler_count(status),
                     refresh=True,
                 )
                 try:  # a second between refreshes, but the trainer's exit is seen at once
@@ -427,6 +444,12 @@ def pin_tokenizer_class(cfg: Config):
     return tokenizer
 
 
+def sampler_count(status) -> str:
+    """The bar's ``samplers=R/N``: R samplers ready (holding the current weights, taking
+    work) of the N the trainer knows (docs/runs.md), both from the trainer's own pool."""
+    return f"{sum(s.healthy for s in status.samplers)}/{len(status.samplers)}"
+
+
 def say(message: str) -> None:
     print(message, flush=True)
 
@@ -505,7 +528,8 @@ def main(cfg: Config) -> int:
         say("reward functions: " + "; ".join(launcher.reward_functions()))
         code = launcher.watch()
         launcher.signal_stop()
-        plots = _plot_in_background(launcher.run_dir)  # while the services shut down
+        if launcher.attempt_summary().get("state") in ("done", "stopped"):
+            plots = _plot_in_background(launcher.run_dir)  # while the services shut down
     except KeyboardInterrupt:
         interrupted = True
         say("\ninterrupted: stopping the run (the trainer checkpoints the step it is at)")
@@ -520,9 +544,7 @@ def main(cfg: Config) -> int:
     if interrupted:  # a clean stop is a success; a trainer that failed while stopping is not
         code = 0 if trainer is None or trainer.returncode == -signal.SIGTERM else (
             trainer.returncode)  # -SIGTERM: stopped while starting, before it had a handler
-    summary_path = launcher.run_dir / "summary.json"
-    summary = (json.loads(summary_path.read_text())
-               if summary_path.exists() and not start_failed else {})
+    summary = {} if start_failed else launcher.attempt_summary()
     line = accuracy_line(summary)
     if line:
         say(line)
@@ -534,7 +556,7 @@ def main(cfg: Config) -> int:
         say(f"{where}. To continue from there: {continue_command(launcher)}")
     if plots is not None:  # started when the trainer finished, while the services stopped
         plots.join()
-    elif summary:
+    elif summary.get("state") in ("done", "stopped"):
         _plot(launcher.run_dir)
     if code != 0 and trainer is not None and not start_failed:
         print(launcher.exit_report("trainer"), file=sys.stderr)
@@ -570,11 +592,9 @@ def _load_plotting_in_background() -> threading.Thread:
     return thread
 
 
-def _plot_in_background(run_dir: Path) -> threading.Thread | None:
-    """`_plot` of a finished run (summary.json written) in a thread, so the plots render while
-    the services shut down."""
-    if not (run_dir / "summary.json").exists():
-        return None
+def _plot_in_background(run_dir: Path) -> threading.Thread:
+    """`_plot` of a finished run in a thread, so the plots render while the services shut
+    down."""
     thread = threading.Thread(target=_plot, args=(run_dir,), name="plots", daemon=True)
     thread.start()
     return thread

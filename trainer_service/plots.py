@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+
+from splitrl.jsonl import read_jsonl
 
 PANELS = [
     ("reward", ["reward/mean"], "mean total reward"),
@@ -28,12 +29,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a SplitRL run directory?")
-    records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            records.append(json.loads(line))
-    return records
+    return read_jsonl(path)  # a torn last line (a crash, a full disk) is skipped
 
 
 def load_matplotlib():

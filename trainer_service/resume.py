@@ -101,9 +101,10 @@ def resume_problem(cfg: Config) -> str | None:
 
     checkpointer = Checkpointer.from_config(ckpt_cfg, cfg.trainer.run_dir)
     try:
-        if checkpointer.latest_step() is None:
+        meta = checkpointer.newest_readable_meta()  # the trainer skips unreadable steps too
+        if meta is None:
             return None
-        check_resume(cfg, checkpointer.meta(), str(cfg.trainer.run_dir))
+        check_resume(cfg, meta, str(cfg.trainer.run_dir))
     except ResumeRefused as e:
         return str(e)
     finally:

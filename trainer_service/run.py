@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from splitrl.config import Config, dump_config, to_dict
+from splitrl.jsonl import JsonlAppender
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained, param_shapes
@@ -44,7 +45,7 @@ from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
 from trainer_service.learning.batching import batch_length, build_train_batch
-from trainer_service.learning.checkpoints import Checkpointer
+from trainer_service.learning.checkpoints import Checkpointer, SaveFailed
 from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
@@ -105,9 +106,16 @@ class TrainerRun:
         self.run_dir = Path(tcfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.hosts.is_leader:
+            # This attempt's summary, written when it ends: never an earlier attempt's.
+            (self.run_dir / "summary.json").unlink(missing_ok=True)
             dump_config(cfg, self.run_dir / "config.yaml")
         self.status = RunState(total_steps=tcfg.steps)
         self.stop_event = threading.Event()
+        self.stop_reason = ""  # why the run stopped or failed, for summary.json
+        self._mid_step = False  # between a step's update and its audit record
+        # The step's rollouts taken from the queue and not yet in the audit trail: a checkpoint
+        # before the update (a stop by the reward error policy) lists them as unfinished.
+        self._holding: Collected | None = None
         self.metadata = auth_metadata(cfg.services.auth)
 
         # Every process: the global mesh, the learner and its checkpoints.
@@ -138,11 +146,10 @@ class TrainerRun:
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)
             self.reward_checks = RewardChecks.from_config(cfg.reward)
-            self.metrics_file = (self.run_dir / "metrics.jsonl").open("a")
+            self.metrics_file = JsonlAppender(self.run_dir / "metrics.jsonl")
         self._restore()  # refuses a checkpoint of another config before anything else starts
         if self.hosts.is_leader:
             self.trackers = Trackers.from_config(cfg, self.run_dir, self.accuracy_fn)
-            (self.run_dir / "summary.json").unlink(missing_ok=True)  # written when it ends
 
     # -- one step -------------------------------------------------------------------------
 
@@ -152,7 +159,7 @@ class TrainerRun:
         # metrics. With max_staleness 0 the samplers generate meanwhile, so a step's rollouts
         # take wait + other: both belong to the step's cost (bench/step_breakdown.py).
         between = t0 - self._last_step_end if self._last_step_end is not None else 0.0
-        collected = self._collect(self.cfg.trainer.prompts_per_step)
+        collected = self._holding = self._collect(self.cfg.trainer.prompts_per_step)
         t_rollouts = time.monotonic()
         if self.trackers.completions_due(self.step + 1):
             self.trackers.completions(self.step + 1, collected.groups)
@@ -164,6 +171,7 @@ class TrainerRun:
                                  **e.metrics})
             raise
         metrics.update(self.data.length_metrics())
+        self._mid_step = True  # until the audit records it, a checkpoint would lose this step
         if collected.groups:
             batch = build_train_batch(collected.groups, self.cfg.algorithm, pad_id=self.pad_id,
                                       longest=self._longest_row())
@@ -178,7 +186,9 @@ class TrainerRun:
         self.audit.record(self.step, self.version - (0 if metrics.get("skipped") else 1),
                           collected.groups, filtered=collected.filtered,
                           dropped=collected.dropped)
+        self._mid_step, self._holding = False, None
         self._checkpoint()  # a no-op unless a save is due
+        self.checkpointer.check_saved()  # a save that failed in the background stops us now
         tokens = sum(len(c.token_ids) for g in collected.groups for c in g.completions)
         metrics.update({
             "time/wait_rollouts_s": t_rollouts - t0,
@@ -316,8 +326,7 @@ class TrainerRun:
         return out
 
     def _write_metrics(self, record: dict) -> None:
-        self.metrics_file.write(json.dumps(record) + "\n")
-        self.metrics_file.flush()
+        self.metrics_file.write(record)
         self.trackers.log(record)
 
     # -- evaluation -----------------------------------------------------------------------
@@ -370,14 +379,23 @@ class TrainerRun:
         self._pushed_version = 0
         self.resumed_from: int | None = None
         if self.checkpointer.latest_step() is None:
+            if self.hosts.is_leader:  # a start from step 0: earlier records are redone
+                rolled_back = self.audit.roll_back_to(0)
+                if rolled_back:
+                    log.warning("no checkpoint: training from step 0; the audit trail's "
+                                "earlier records are rolled back",
+                                extra={"rolled_back_records": rolled_back, "console": True})
             return
-        meta = self.checkpointer.meta()
-        check_resume(self.cfg, meta, str(self.run_dir))  # same run only
-        # The train state's kind (LoRA or not, rank, targets, base): even trainer.resume=force
-        # cannot load adapters onto other weights.
-        self.learner.check_checkpoint_meta(meta.get("learner"),
-                                           where=f"checkpoint in {self.checkpointer.directory}")
-        ckpt = self.checkpointer.restore(self.learner.abstract_train_state())
+
+        def check(meta: dict) -> None:
+            check_resume(self.cfg, meta, str(self.run_dir))  # same run only
+            # The train state's kind (LoRA or not, rank, targets, base): even
+            # trainer.resume=force cannot load adapters onto other weights.
+            self.learner.check_checkpoint_meta(
+                meta.get("learner"), where=f"checkpoint in {self.checkpointer.directory}")
+
+        ckpt, skipped = self.checkpointer.restore_newest(self.learner.abstract_train_state(),
+                                                         check)
         self.resumed_from = ckpt.step
         self.learner.load_train_state(ckpt.state, ckpt.step)
         self.step, self.version = ckpt.step, ckpt.weight_version
@@ -393,6 +411,13 @@ class TrainerRun:
         log.info("resumed from checkpoint", extra={
             "step": self.step, "version": self.version, "data_cursor": cursor["stream"],
             "requeued": len(unfinished), "rolled_back_records": rolled_back})
+        if skipped:
+            newest = skipped[0][0]
+            log.warning(
+                f"checkpoint step {newest} is unreadable ({skipped[0][1]}); resumed from step "
+                f"{self.step}, the newest intact one: {newest - self.step} step(s) more to "
+                f"train again than from step {newest}; {rolled_back} audit record(s) rolled "
+                "back", extra={"skipped": [s for s, _ in skipped], "console": True})
 
     def _restored_item(self, saved: dict) -> WorkItem:
         item = WorkItem.from_json(saved)
@@ -407,10 +432,15 @@ class TrainerRun:
         prompts drawn but not yet trained on (queued, in flight or buffered)."""
         if not (force or self.checkpointer.should_save(self.step)):
             return
+        unfinished = self.queue.unfinished(TRAIN)
+        if self._holding is not None:
+            held = self._holding
+            unfinished = sorted(unfinished + [g.item for g in held.groups + held.filtered]
+                                + [item for item, _ in held.dropped], key=lambda i: i.seq)
         cursor = {
             "stream": self.data.state_dict(),
             "drawn": self.drawn,
-            "unfinished": [i.to_json() for i in self.queue.unfinished(TRAIN)],
+            "unfinished": [i.to_json() for i in unfinished],
         }
         self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
         self.checkpointer.save(self.step, self.learner.train_state(),
@@ -460,11 +490,23 @@ class TrainerRun:
             return self._summary(summary)
         except InterruptedError:
             if not self.stop_event.is_set():
-                self.status.state = "failed"
+                self._failed(summary, "interrupted while not stopping")
                 raise
             return self._stopped(summary)
-        except Exception:
-            self.status.state = "failed"
+        except RewardFunctionFailed as e:  # the reward error policy stops the run: a clean stop
+            self.stop_reason = str(e)  # "stopping the run: reward function ... failed ..."
+            self._stopped(summary)
+            raise
+        except SaveFailed as e:  # the policy: stop, never train on without checkpoints
+            log.critical(f"{e}; the run stops (a run never trains on without the checkpoints it "
+                      f"promises). Free the space or fix the permission, then run the same "
+                      f"command: it resumes from the last checkpoint "
+                      f"(step {self.checkpointer.latest_step() or 0})",
+                      extra={"cause": e.cause, "console": True})
+            self._failed(summary, str(e), save=False)
+            raise
+        except Exception as e:
+            self._failed(summary, f"{type(e).__name__}: {e}")
             raise
         finally:
             self.close()
@@ -513,22 +555,50 @@ class TrainerRun:
             log.info("step", extra={k: round(v, 5) for k, v in metrics.items() if k in _LOGGED})
 
     def _stopped(self, summary: dict[str, float]) -> dict[str, float]:
-        """Stopped by a signal: checkpoint where we are, so the next start resumes here."""
-        if self.step > 0 and self.checkpointer.latest_step() != self.step:
-            self._checkpoint(force=True)
+        """A stop the run decided on (a signal, the reward error policy): checkpoint where we
+        are, so the next start resumes here."""
+        self._save_now()
+        self.checkpointer.wait()  # on disk before we say so (SaveFailed: it is not)
         self.status.state = "stopped"
         log.info("stopped; resume continues from this step",
-                 extra={"step": self.step, "version": self.version})
+                 extra={"step": self.step, "version": self.version, "reason": self.stop_reason})
         return self._summary(summary)
 
+    def _failed(self, summary: dict, reason: str, save: bool = True) -> None:
+        """A fatal error: checkpoint first when the state is consistent (the error came
+        between steps), then ``summary.json`` with the reason; the caller re-raises."""
+        self.status.state = "failed"
+        self.stop_reason = reason
+        if save:
+            try:
+                self._save_now()
+                self.checkpointer.wait()
+            except Exception:  # the error being reported matters more; this one is logged
+                log.exception("no checkpoint after the error")
+        try:
+            self._summary(summary)
+        except OSError as e:  # a full disk may take this too
+            log.error("summary.json could not be written", extra={"error": str(e)})
+
+    def _save_now(self) -> None:
+        """Checkpoint the current step unless it is saved already, or the state is
+        between an update and its audit record (a checkpoint there would lose the step)."""
+        if self.step > 0 and not self._mid_step and self.checkpointer.latest_step() != self.step:
+            self._checkpoint(force=True)
+
     def _summary(self, summary: dict) -> dict:
-        """``summary.json``: how the run ended (done or stopped), at which step, from which
-        step it resumed, and its evaluations."""
+        """``summary.json``: how the run ended (done, stopped or failed) and why, at which
+        step, from which step it resumed, and its evaluations."""
         summary.update(state=self.status.state, step=float(self.step),
                        total_steps=float(self.cfg.trainer.steps))
+        if self.stop_reason:
+            summary["reason"] = self.stop_reason
         if self.resumed_from is not None:
             summary["resumed_from"] = float(self.resumed_from)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        path = self.run_dir / "summary.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(path)
         return summary
 
     def _export(self) -> None:

@@ -151,14 +151,15 @@ def main(cfg: Config) -> int:
         maybe_initialize = None
     if maybe_initialize is not None:
         maybe_initialize(cfg)
+    from trainer_service.learning.checkpoints import NoIntactCheckpoint, SaveFailed
     from trainer_service.orchestration.evaluation import accuracy_line
     from trainer_service.orchestration.reward_checks import RewardFunctionFailed
     from trainer_service.run import TrainerRun
 
     try:
         run = TrainerRun(cfg)
-    except (ValueError, FileNotFoundError) as e:  # the data or the model cannot be used
-        log.error("trainer cannot start: %s", e)  # on stderr, one JSON line
+    except (ValueError, FileNotFoundError, NoIntactCheckpoint) as e:  # cannot be used
+        log.critical("trainer cannot start: %s", e)  # on stderr, one JSON line
         return 2
     leader = run.hosts.is_leader
     servicer = TrainerServicer(run) if leader else FollowerServicer(run.hosts.index)
@@ -177,8 +178,10 @@ def main(cfg: Config) -> int:
                         "signal kills it)", extra={"signal": signal.Signals(signum).name})
             signal.signal(signum, signal.SIG_DFL)
             return
+        name = signal.Signals(signum).name
         log.warning("signal received; stopping after the current step",
-                    extra={"signal": signal.Signals(signum).name})
+                    extra={"signal": name})
+        run.stop_reason = run.stop_reason or f"{name} received"
         run.stop_event.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -194,6 +197,11 @@ def main(cfg: Config) -> int:
         summary = run.run(progress=progress if leader else None)
     except RewardFunctionFailed:  # logged where it was raised, with the reasons
         return 3
+    except SaveFailed:  # logged where it was caught, with the cause and the way out
+        return 1
+    except Exception as e:  # the root cause, as the console's "last errors" show it first
+        log.critical("trainer failed: %s: %s", type(e).__name__, e, exc_info=True)
+        return 1
     finally:
         if bar is not None:
             bar.close()

@@ -1,14 +1,19 @@
 """Chaos: an asynchronous run (max_staleness 1, three samplers) during which a seeded schedule
-kill -9s and restarts samplers, the reward service and the trainer, several times each. The run
-completes and `splitrl audit` finds every drawn prompt of the final lineage trained or filtered
-exactly once: nothing lost, nothing trained twice."""
+kill -9s and restarts samplers, the reward service and the trainer, several times each, and
+storage fails under the trainer: before its first restart its checkpoints are gone (a disk
+that never kept one: it starts again from step 0), before its second the newest checkpoint is
+truncated (it falls back to the one before). The run completes and `splitrl audit` finds every
+drawn prompt of the final lineage trained or filtered exactly once: nothing lost, nothing
+trained twice."""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +44,22 @@ def kill(launcher: Launcher, name: str) -> None:
     proc.wait()
 
 
+def storage_fault(checkpoints: Path, nth: int) -> str:
+    """Damage the stopped trainer's checkpoints: the first time remove them all, after that
+    truncate the newest step's largest data file (when an older step is there to fall back
+    to). Returns what was done."""
+    if nth == 0:
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        return "no checkpoint"
+    steps = sorted(int(p.name) for p in checkpoints.glob("*") if p.name.isdigit())
+    if len(steps) < 2:
+        return "none"
+    files = [p for p in (checkpoints / str(steps[-1]) / "state").rglob("*") if p.is_file()]
+    data = max(files, key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    return f"step {steps[-1]} truncated"
+
+
 def restart(launcher: Launcher, name: str) -> None:
     if name == "trainer":
         launcher.start_trainer()
@@ -59,6 +80,7 @@ def test_kills_and_restarts_of_every_service_lose_nothing(arith_model, tmp_path)
                      "trainer.eval_before=false", "trainer.eval_after=false")
     plan = schedule(SEED)
     done: list[tuple[int, str, int]] = []
+    faults: list[str] = []
     launcher = Launcher(cfg)
     try:
         launcher.up()
@@ -66,6 +88,8 @@ def test_kills_and_restarts_of_every_service_lose_nothing(arith_model, tmp_path)
             seen = wait_for(lambda s=at_step: (step := status_step(launcher)) >= s and step,
                             600, f"step {at_step} (before killing {victim})", launcher)
             kill(launcher, victim)
+            if victim == "trainer":
+                faults.append(storage_fault(run_dir / "checkpoints", len(faults)))
             restart(launcher, victim)
             done.append((at_step, victim, seen))
         code = wait_exit(launcher, "trainer", 900)
@@ -76,8 +100,13 @@ def test_kills_and_restarts_of_every_service_lose_nothing(arith_model, tmp_path)
     report = audit_run(run_dir)
     kills = Counter(victim.split("-")[0] for _, victim, _ in done)
     print(f"\nchaos (seed {SEED}): kills {dict(kills)} at steps "
-          f"{[(seen, v) for _, v, seen in done]}; " + "; ".join(report.lines()))
+          f"{[(seen, v) for _, v, seen in done]}; storage faults {faults}; "
+          + "; ".join(report.lines()))
     assert kills == {"sampler": 3, "reward": 2, "trainer": 2}
+    assert faults[0] == "no checkpoint" and faults[1].endswith("truncated"), faults
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "no checkpoint: training from step 0" in log
+    assert f"checkpoint {faults[1].replace(' truncated', '')} is unreadable" in log
     assert report.steps == list(range(1, STEPS + 1))
     assert report.ok, report.lines()
     assert report.trained == STEPS * PER_STEP

@@ -42,6 +42,35 @@ def test_error_lines_are_the_logs_errors_and_tracebacks(tmp_path):
     assert "does not exist" in error_lines(tmp_path / "none.log")[0]
 
 
+def test_the_root_cause_is_shown_not_the_teardown_noise_after_it(tmp_path):
+    """A service that gives up logs its cause once at critical level; what its interpreter
+    prints while tearing down (asyncio's "Event loop is closed"...) is not the reason."""
+    log = tmp_path / "trainer.log"
+    log.write_text(jsonl({"level": "error", "msg": "weight push failed"},
+                         {"level": "critical", "msg": "trainer failed: ValueError: OUT_OF_RANGE",
+                          "exc": "Traceback...\nValueError: OUT_OF_RANGE"})
+                   + "Exception ignored in: <function _Loop.__del__>\n"
+                   + "RuntimeError: Event loop is closed\n")
+    assert error_lines(log) == ["trainer failed: ValueError: OUT_OF_RANGE: ValueError: "
+                                "OUT_OF_RANGE"]
+
+
+def test_an_earlier_attempts_errors_are_not_this_ones(tmp_path):
+    """Logs append across attempts in a reused run directory; the console reads each from
+    where this attempt's process started writing it."""
+    log = tmp_path / "reward.log"
+    log.write_text(jsonl({"level": "error", "msg": "the first attempt's error"}))
+    start = log.stat().st_size
+    with log.open("a") as f:
+        f.write(jsonl({"level": "info", "msg": "started"}, {"level": "error", "msg": "this one"},
+                      {"level": "warning", "msg": "resumed from step 10, not 15",
+                       "console": True}))
+    assert error_lines(log, start=start) == ["this one", "resumed from step 10, not 15"]
+    follower = LogFollower({"reward": log}, {"reward": start})
+    assert follower.new_errors() == ["[reward] this one",
+                                     "[reward] resumed from step 10, not 15"]
+
+
 def test_the_follower_reports_each_new_error_line_once(tmp_path):
     log = tmp_path / "reward.log"
     log.write_text(jsonl({"level": "error", "msg": "first"}))
@@ -128,16 +157,28 @@ def test_a_length_check_that_passed_is_remembered_and_other_data_is_checked_agai
 
 def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(arith_model, tmp_path,
                                                                      capsys):
-    cfg = config(arith_model, tmp_path / "run", "reward.functions=[{name: 'my_rewardz:think'}]",
+    """Twice in one run directory that an earlier run finished in: each attempt reports its
+    own errors once, and never the earlier run's success (its summary, plots, accuracy)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({  # what a finished run left
+        "state": "done", "step": 20.0, "total_steps": 20.0, "eval_before/accuracy": 0.0,
+        "eval_after/accuracy": 0.24, "eval_before/step": 0.0}))
+    old = time.time() - 3600
+    os.utime(run_dir / "summary.json", (old, old))
+    cfg = config(arith_model, run_dir, "reward.functions=[{name: 'my_rewardz:think'}]",
                  "reward.accuracy_function=null")
-    assert launcher.main(cfg) != 0
-    captured = capsys.readouterr()
-    assert "reward exited with code 2" in captured.err
-    assert "cannot import module 'my_rewardz': ModuleNotFoundError" in captured.err
-    # The trainer started beside the reward service and was stopped with the launch: no
-    # step, and nothing said about it that could hide the reward service's error.
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert "trainer exited" not in captured.err and "To continue" not in captured.out
+    for attempt in (1, 2):
+        assert launcher.main(cfg) != 0
+        captured = capsys.readouterr()
+        assert "reward exited with code 2" in captured.err
+        assert captured.err.count("cannot import module 'my_rewardz': ModuleNotFoundError") \
+            == 1, (attempt, captured.err)
+        # The trainer started beside the reward service and was stopped with the launch: no
+        # step, and nothing said about it that could hide the reward service's error.
+        assert not (run_dir / "metrics.jsonl").exists()
+        assert "trainer exited" not in captured.err and "To continue" not in captured.out
+        assert "greedy accuracy" not in captured.out and not (run_dir / "plots").exists()
 
 
 LAUNCHER_THEN_SLEEP = """

@@ -16,16 +16,31 @@ A checkpoint at train step `step` holds two orbax items:
     learner.load_train_state(restored.state, restored.step)
 
 Saves are asynchronous when configured (the arrays are copied off the devices, then written
-in the background; the next save or `wait()` / `close()` waits for the previous one). Only the
-last `keep` checkpoints are kept. Restoring takes the abstract state (ShapeDtypeStructs with
-shardings), so arrays come back directly onto the trainer's current mesh and layout, which may
-differ from the one that saved them.
+in the background; the next save or `wait()` / `close()` waits for the previous one). A save
+that fails in the background is reported by the first `check_saved()` after it ended (the run
+calls it every step), as :class:`SaveFailed` naming the cause (disk full, permission, quota):
+the run learns of it long before the next save is due. Only the last `keep` checkpoints are
+kept.
+
+Restoring verifies: `restore_newest` reads the newest step whole (metadata and every array);
+a step that does not read (a truncated data file, garbled metadata) is moved aside to
+``<dir>.unreadable/<step>`` and the next older step is tried, so a run resumes from the newest
+intact checkpoint and says which steps it skipped and why.
+
+Restoring takes the abstract state (ShapeDtypeStructs with shardings), so arrays come back
+directly onto the trainer's current mesh and layout, which may differ from the one that saved
+them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import logging
 import os
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +51,74 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from splitrl.config import CheckpointConfig
 
+log = logging.getLogger(__name__)
+
 FORMAT_VERSION = 1
+
+# What a person can do something about, by errno, in the words of a console line.
+_STORAGE_CAUSES = {
+    errno.ENOSPC: "disk full (no space left on device)",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+    errno.EROFS: "read-only file system",
+    errno.EIO: "input/output error (a failing disk?)",
+}
+
+
+# tensorstore (orbax's array writer) raises ValueError carrying the errno as a status payload,
+# rendered as [os_error_code='28'].
+_TENSORSTORE_ERRNO = re.compile(r"\[os_error_code='(\d+)'\]")
+
+
+def _errno(error: BaseException) -> int | None:
+    if isinstance(error, OSError):
+        return error.errno
+    found = _TENSORSTORE_ERRNO.search(str(error))
+    return int(found.group(1)) if found else None
+
+
+def storage_cause(error: BaseException) -> str:
+    """The cause of a failed write as a person reads it: "disk full (...)", "permission
+    denied", "disk quota exceeded"..., from the errno of the first error in the exception's
+    chain that carries one; otherwise the exception itself."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        code = _errno(current)
+        if code in _STORAGE_CAUSES:
+            return _STORAGE_CAUSES[code]
+        current = current.__cause__ or current.__context__
+    return f"{type(error).__name__}: {str(error)[:300]}"
+
+
+class SaveFailed(Exception):
+    """A checkpoint could not be written; ``cause`` says why in a person's words."""
+
+    def __init__(self, step: int, directory: Path, error: BaseException):
+        self.step, self.cause = step, storage_cause(error)
+        super().__init__(f"the checkpoint of step {step} could not be written to {directory}: "
+                         f"{self.cause}")
+
+
+class NoIntactCheckpoint(Exception):
+    """Checkpoints exist but none of them reads."""
+
+
+class _OrbaxErrorsAsWarnings(logging.Filter):
+    """orbax logs (through absl's logger) a failed save at error level from each thread it ran
+    in, and an unreadable step as it tries it; the Checkpointer reports both once, with their
+    cause (:class:`SaveFailed`, :meth:`Checkpointer.restore_newest`). Those lines stay in the
+    log, as warnings, off the console's error lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_ORBAX_FILTER = _OrbaxErrorsAsWarnings()
 
 
 @dataclasses.dataclass
@@ -71,6 +153,8 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "meta")
         )
+        self._unchecked: int | None = None  # a save started and not yet known to be on disk
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once: filters are a set
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, run_dir: str | os.PathLike) -> Checkpointer:
@@ -114,14 +198,39 @@ class Checkpointer:
                 meta["rng_impl"] = "raw"  # an old-style uint32 key array
             arrays["rng"] = rng
             meta["rng_shape"] = list(rng.shape)
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        self.wait()  # the previous save, and its failure if it failed, first
+        try:
+            self._manager.save(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as e:  # a synchronous save, or the start of an asynchronous one
+            raise SaveFailed(int(step), self.directory, e) from e
+        self._unchecked = int(step)
         return True
+
+    @property
+    def save_pending(self) -> bool:
+        """A save was started and is not yet known to be on disk."""
+        return self._unchecked is not None
+
+    def check_saved(self) -> None:
+        """Raise :class:`SaveFailed` if the last save failed; never waits for one that is still
+        being written."""
+        if self._unchecked is not None and not self._manager.is_saving_in_progress():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous save is on disk; :class:`SaveFailed` if it
+        failed."""
+        step, self._unchecked = self._unchecked, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise SaveFailed(step if step is not None else -1, self.directory, e) from e
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -174,19 +283,82 @@ class Checkpointer:
             learner_meta=meta.get("learner"),
         )
 
-    def wait(self) -> None:
-        """Block until a pending asynchronous save is on disk."""
-        self._manager.wait_until_finished()
+    def restore_newest(
+        self, abstract_state: Any, check_meta: Callable[[dict], None] = lambda meta: None,
+    ) -> tuple[Checkpoint, list[tuple[int, str]]]:
+        """Restore the newest step that reads whole, verifying each from the newest down:
+        ``check_meta`` sees its metadata first (an exception from it propagates: a checkpoint
+        of another run is refused, not skipped). Unreadable steps are moved aside to
+        ``<dir>.unreadable/`` so new saves and ``splitrl audit`` never read them again.
+        Returns the checkpoint and the skipped ``(step, reason)``s, newest first;
+        :class:`NoIntactCheckpoint` when none reads (then nothing is moved)."""
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            try:
+                meta = self.meta(step)
+            except Exception as e:
+                skipped.append((step, _reason(e)))
+                continue
+            check_meta(meta)
+            try:
+                checkpoint = self.restore(abstract_state, step)
+            except Exception as e:
+                skipped.append((step, _reason(e)))
+                continue
+            self._set_aside([s for s, _ in skipped])
+            return checkpoint, skipped
+        raise NoIntactCheckpoint(  # left in place: starting afresh is the user's decision
+            f"no checkpoint in {self.directory} reads: "
+            + "; ".join(f"step {s}: {r}" for s, r in skipped)
+            + ". To start the run afresh: another trainer.run_dir, or remove that directory "
+            "(a copy of the run directory keeps them for a look).")
+
+    def newest_readable_meta(self) -> dict | None:
+        """The metadata of the newest step whose metadata reads (None: there is none)."""
+        for step in reversed(self.all_steps()):
+            try:
+                return self.meta(step)
+            except Exception:
+                continue
+        return None
+
+    def _aside_dir(self) -> Path:
+        return self.directory.with_name(self.directory.name + ".unreadable")
+
+    def _set_aside(self, steps: list[int]) -> None:
+        for step in steps:
+            target = self._aside_dir() / str(step)
+            if target.exists():
+                shutil.rmtree(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(self.directory / str(step)), target)
+            log.warning("unreadable checkpoint moved aside",
+                        extra={"step": step, "to": str(target)})
+        if steps:
+            self._manager.reload()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _reason(error: BaseException) -> str:
+    """Why a checkpoint step does not read, in one line: the innermost cause (orbax wraps the
+    storage layer's error, e.g. tensorstore's OUT_OF_RANGE for a truncated file, in its own)."""
+    seen: set[int] = set()
+    while id(error) not in seen and (error.__cause__ or error.__context__) is not None:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _replicated_like(abstract_state: Any):

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from splitrl.jsonl import JsonlAppender, read_jsonl
 from trainer_service.orchestration.rollouts import RolloutGroup, WorkItem
 
 TRAINED = "trained_prompts.jsonl"
@@ -32,7 +33,7 @@ class AuditLog:
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / TRAINED
         self.rolled_back_path = Path(run_dir) / ROLLED_BACK
-        self._file: IO[str] | None = None
+        self._file: JsonlAppender | None = None
 
     def record(self, step: int, trainer_version: int, groups: list[RolloutGroup], *,
                filtered: list[RolloutGroup] = (),
@@ -49,26 +50,26 @@ class AuditLog:
             "dropped": [{"uid": item.uid, "reason": reason} for item, reason in dropped],
         }
         if self._file is None:
-            self._file = self.path.open("a")
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+            self._file = JsonlAppender(self.path)
+        self._file.write(record)
         return record
 
     def roll_back_to(self, step: int) -> int:
         """Keep the records of steps <= ``step``; move later ones to the rolled-back file.
         Returns how many records moved."""
+        self.close()  # the file is replaced below: later records go to the new one
         if not self.path.exists():
             return 0
         keep, moved = [], []
-        for line in self.path.read_text().splitlines():
-            if not line.strip():
-                continue
-            record = json.loads(line)
+        for record in read_jsonl(self.path):
             (keep if record["step"] <= step else moved).append(record)
         if moved:
-            with self.rolled_back_path.open("a") as out:
+            out = JsonlAppender(self.rolled_back_path)
+            try:
                 for record in moved:
-                    out.write(json.dumps({**record, "rolled_back_to": step}) + "\n")
+                    out.write({**record, "rolled_back_to": step})
+            finally:
+                out.close()
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         tmp.replace(self.path)
@@ -78,13 +79,6 @@ class AuditLog:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass
@@ -132,8 +126,8 @@ def audit_run(run_dir: str | Path) -> AuditReport:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run directory at {run_dir}")
-    records = read_records(run_dir / TRAINED)
-    rolled_back = read_records(run_dir / ROLLED_BACK)
+    records = read_jsonl(run_dir / TRAINED)
+    rolled_back = read_jsonl(run_dir / ROLLED_BACK)
     step, cursor = _last_checkpoint(run_dir)
     trained = [u for r in records for u in r["uids"]]
     filtered = [u for r in records for u in r.get("filtered", [])]
@@ -156,9 +150,9 @@ def _draw_number(uid: str) -> int:
 
 
 def _last_checkpoint(run_dir: Path) -> tuple[int | None, dict | None]:
-    """(step, data cursor) of the newest complete checkpoint, read from its JSON metadata
-    (no JAX needed). Checkpoints live in <run_dir>/checkpoints unless the run's config.yaml
-    names another directory."""
+    """(step, data cursor) of the newest complete checkpoint whose JSON metadata reads (no JAX
+    needed; a trainer resuming skips an unreadable step the same way). Checkpoints live in
+    <run_dir>/checkpoints unless the run's config.yaml names another directory."""
     directory = run_dir / "checkpoints"
     config = run_dir / "config.yaml"
     if config.exists():
@@ -171,7 +165,10 @@ def _last_checkpoint(run_dir: Path) -> tuple[int | None, dict | None]:
     steps = sorted((int(p.name) for p in directory.glob("*") if p.name.isdigit()
                     and (p / "meta" / "metadata").exists()), reverse=True) \
         if directory.is_dir() else []
-    if not steps:
-        return None, None
-    meta = json.loads((directory / str(steps[0]) / "meta" / "metadata").read_text())
-    return int(meta["step"]), meta.get("data_cursor")
+    for step in steps:
+        try:
+            meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
+            return int(meta["step"]), meta.get("data_cursor")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None, None
