@@ -40,6 +40,7 @@ from splitrl.jsonl import drop_torn_tail
 from splitrl.retry import wait_until
 from splitrl.serving import LAUNCHER_PID_ENV, check_health, make_channel
 from splitrl.user_cache import cache_dir
+from trainer_service.oom import OomWitness
 from trainer_service.orchestration.evaluation import accuracy_line
 from trainer_service.service_logs import LogFollower, error_lines
 
@@ -103,6 +104,7 @@ class Launcher:
             f"127.0.0.1:{self._port()}" for _ in range(cfg.services.num_samplers)
         ]
         self.metrics_ports: dict[str, int] = {}  # process name -> its Prometheus port
+        self.oom = OomWitness()  # the kernel's OOM kills, counted from here on
         self._signalled: set[int] = set()  # pids sent SIGTERM by signal_stop
         # Set by Ctrl-C / SIGTERM (see `main`) and checked at every wait, so a KeyboardInterrupt
         # raised where Python ignores exceptions (a `__del__`) still stops the run.
@@ -177,12 +179,32 @@ class Launcher:
                    what=f"{name} at {address} healthy")
 
     def exit_report(self, name: str) -> str:
-        """``name`` exited: its exit code and the last error lines of its log."""
+        """``name`` exited: its exit code and the last error lines of its log; killed by
+        SIGKILL, whether the OOM killer did it (`trainer_service.oom`) and, if so, the
+        setting that uses less memory."""
+        proc = self.procs[name]
         log = self.log_dir / f"{name}.log"
         lines = "\n".join(f"  {line}" for line in error_lines(log,
                                                                  start=self.log_starts[name]))
-        return (f"{name} exited with code {self.procs[name].returncode}; last errors in "
-                f"{log}:\n{lines}")
+        how = f"exited with code {proc.returncode}"
+        if proc.returncode == -signal.SIGKILL:
+            verdict = self.oom.verdict(proc.pid)
+            how += f", {verdict.text}"
+            if verdict.oom is not False:
+                how += f". {self.memory_advice(name)}"
+        return f"{name} {how}; last errors in {log}:\n{lines}"
+
+    def memory_advice(self, name: str) -> str:
+        """The settings that make process ``name`` use less memory."""
+        if name == "trainer":
+            now = self.cfg.trainer.micro_batch_size
+            return ("To use less memory: a smaller trainer.micro_batch_size (now "
+                    f"{now if now is not None else 'unset: the whole batch at once'})")
+        if name.startswith("sampler"):
+            return ("To use less memory: a smaller sampler.max_batch_size or a "
+                    "sampler.kv_cache_bytes budget, fewer services.num_samplers, or a shorter "
+                    "sampler.max_sequence_length")
+        return "To use less memory: fewer reward.workers"
 
     def start_sampler(self, index: int, address: str | None = None) -> str:
         address = address or f"127.0.0.1:{self._port()}"
@@ -478,10 +500,11 @@ class PhaseReporter:
                        "program)")
 
 
-def preflight(cfg: Config) -> str | None:
+def preflight(cfg: Config, memory_bytes: int | None = None) -> str | None:
     """What stops the run before any service starts: a model path with no model, unusable
-    data, a run directory whose checkpoint belongs to another config, a tracker that is not
-    installed."""
+    data, a run directory whose checkpoint belongs to another config, a tracker that cannot
+    be used, a launch that cannot fit in memory (:func:`check_memory`, against
+    ``memory_bytes``; default the host's)."""
     from splitrl.model_path import model_problem
     from trainer_service.resume import resume_problem
     from trainer_service.tracking import missing_trackers
@@ -495,7 +518,61 @@ def preflight(cfg: Config) -> str | None:
     problem = resume_problem(cfg)
     if problem is not None:
         return f"will not resume: {problem}"
-    return missing_trackers(cfg.trainer.report_to)
+    return missing_trackers(cfg.trainer.report_to) or check_memory(cfg, memory_bytes)
+
+
+def check_memory(cfg: Config, memory_bytes: int | None = None) -> str | None:
+    """The launch's processes, estimated (`splitrl.planning.estimate`: arithmetic on the
+    model's config.json, no compile) against the host's memory, since every service of a local
+    launch runs on this host's CPU: None when it fits; when it does not and
+    ``trainer.micro_batch_size`` is unset, the largest micro-batch that fits is set in ``cfg``
+    (and said); else why not, with the numbers and the setting to change. Services on an
+    accelerator (``JAX_PLATFORMS`` other than cpu) or a model on a hub (no config.json here)
+    are not estimated: ``splitrl plan`` compiles for them."""
+    from splitrl.planning.estimate import ModelShape, host_memory_bytes, plan_launch
+
+    if os.environ.get("JAX_PLATFORMS", "cpu") != "cpu":
+        return None
+    model = ModelShape.from_model_dir(cfg.model.path)
+    if model is None:
+        return None
+    devices = {"trainer": cfg.trainer.mesh.devices_needed(),
+               "sampler": cfg.sampler.mesh.devices_needed()}
+    memory = host_memory_bytes() if memory_bytes is None else memory_bytes
+    plan = plan_launch(cfg, model, devices, memory, _eval_prompts(cfg))
+    configured, fitting = plan.configured, plan.fitting
+    if configured.fits:
+        return None
+    if fitting is not None and cfg.trainer.micro_batch_size is None:
+        cfg.trainer.micro_batch_size = fitting.micro_batch
+        say(f"memory: trainer.micro_batch_size={fitting.micro_batch} chosen: the whole batch "
+            f"at once ({configured.micro_batch} rows) would need {configured.describe()}; in "
+            f"micro-batches of {fitting.micro_batch} rows the launch needs about "
+            f"{fitting.total / 2**30:.2f} GiB (set trainer.micro_batch_size to choose)")
+        return None
+    if fitting is not None:
+        return (f"out of memory: this launch would need {configured.describe()}. Set "
+                f"trainer.micro_batch_size={fitting.micro_batch} (about "
+                f"{fitting.total / 2**30:.2f} GiB) or smaller")
+    return (f"out of memory: this launch would need {configured.describe()}, and does not fit "
+            f"at the smallest micro-batch either. Use less memory with a smaller "
+            f"sampler.max_batch_size or a sampler.kv_cache_bytes budget, fewer "
+            f"services.num_samplers, a shorter sampler.max_sequence_length or "
+            f"model.dtype=bfloat16")
+
+
+def _eval_prompts(cfg: Config) -> int:
+    """The prompts one evaluation sends at once (0 without evaluations): a sampler may get
+    all of them, up to its batch."""
+    t = cfg.trainer
+    if t.data.eval_split is None or not (t.eval_before or t.eval_after or t.eval_every):
+        return 0
+    from trainer_service.orchestration.data import PromptStream
+
+    try:
+        return len(PromptStream.from_config(t.data).eval_rows())
+    except (ValueError, OSError):  # check_data said it loads; the trainer reports otherwise
+        return 0
 
 
 def continue_command(launcher: Launcher) -> str:

@@ -6,24 +6,20 @@ TPU, or for this host's CPU devices; the report gives per-device memory by categ
 the chip's HBM and the largest batch that fits. See docs/plan.md.
 """
 
-from splitrl.planning.report import ServiceReport, format_reports, plan_run
-from splitrl.planning.targets import (
-    LIBTPU_MISSING,
-    PlanError,
-    Target,
-    cpu_target,
-    libtpu_installed,
-    tpu_target,
-)
+# The names below import jax; loaded on first use, so that `splitrl.planning.estimate` (what
+# `splitrl up` runs before anything starts) costs no jax import.
+_EXPORTS = {
+    "ServiceReport": "report", "format_reports": "report", "plan_run": "report",
+    "LIBTPU_MISSING": "targets", "PlanError": "targets", "Target": "targets",
+    "cpu_target": "targets", "libtpu_installed": "targets", "tpu_target": "targets",
+}
 
-__all__ = [
-    "LIBTPU_MISSING",
-    "PlanError",
-    "ServiceReport",
-    "Target",
-    "cpu_target",
-    "format_reports",
-    "libtpu_installed",
-    "plan_run",
-    "tpu_target",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -15,8 +15,10 @@ import math
 import re
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import jax
+if TYPE_CHECKING:  # jax is imported where it is used: the launch estimate needs none of it
+    import jax
 
 # XLA:TPU refuses to compile a program that cannot fit and says how much it needed:
 # "Used 20.51G of 15.48G hbm. Exceeded hbm capacity by 5.03G."
@@ -67,6 +69,14 @@ class Measurement:
         return sum(p.compile_seconds for p in self.programs)
 
 
+def format_bytes(n: float | None, width: int = 8) -> str:
+    """GiB from a quarter GiB up, else MiB ("?" for an unknown size)."""
+    if n is None:
+        return "?"
+    gib = 1024**3
+    return f"{n / gib:{width}.2f} GiB" if n >= gib // 4 else f"{n / 2**20:{width}.2f} MiB"
+
+
 class OutOfMemory(Exception):
     def __init__(self, message: str, needed: int | None):
         super().__init__(message)
@@ -75,6 +85,8 @@ class OutOfMemory(Exception):
 
 def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
     """Compiles `lowered`; raises OutOfMemory when the compiler finds it cannot fit."""
+    import jax
+
     start = time.perf_counter()
     # Not through the persistent compilation cache: a TPU executable from libtpu's
     # compile-only client can be written there but not read back ("PjRtCompiler must be
@@ -111,6 +123,8 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
 def shard_bytes(tree) -> int:
     """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs with NamedShardings): the
     largest per-device total, so uneven layouts count their fullest device."""
+    import jax
+
     per_device: dict = {}
     for leaf in jax.tree.leaves(tree):
         sharding = leaf.sharding

@@ -11,7 +11,7 @@ from typing import Any
 
 from splitrl.config import Config
 from splitrl.models import TransformerConfig
-from splitrl.planning.memory import Measurement, largest_fitting
+from splitrl.planning.memory import Measurement, format_bytes, largest_fitting
 from splitrl.planning.targets import GIB, Target
 
 
@@ -119,21 +119,16 @@ class LayerExtrapolation:
         return Measurement(rows, categories, programs, capacity)
 
 
-def _gib(n: int | None) -> str:
-    if n is None:
-        return "?"
-    return f"{n / GIB:8.2f} GiB" if n >= GIB // 4 else f"{n / 2**20:8.2f} MiB"
-
-
 def format_report(r: ServiceReport) -> str:
     m = r.measurement
     mesh = " x ".join(f"{k}={v}" for k, v in r.mesh.items())
     lines = [f"{r.service}: {r.target.describe()}, mesh {mesh}", f"  {r.shape}"]
     if m.error is None:
         for name, value in m.categories.items():
-            lines.append(f"  {name:<22}{_gib(value)}")
-        lines.append(f"  {'peak per device':<22}{_gib(m.peak)} of {r.target.hbm_bytes / GIB:.2f}"
-                     f" GiB ({100 * m.peak / r.target.hbm_bytes:.0f}%): "
+            lines.append(f"  {name:<22}{format_bytes(value)}")
+        lines.append(f"  {'peak per device':<22}{format_bytes(m.peak)} of "
+                     f"{r.target.hbm_bytes / GIB:.2f} GiB "
+                     f"({100 * m.peak / r.target.hbm_bytes:.0f}%): "
                      f"{'fits' if m.fits else 'DOES NOT FIT'}")
         lines.append("  compiled: " + ", ".join(
             f"{p.name} {p.compile_seconds:.1f} s" for p in m.programs))

@@ -197,3 +197,26 @@ def test_layer_extrapolation_matches_the_full_compile(one_layer_config, tmp_path
     for name in ("parameters", "optimizer state", "gradients", "batch"):
         assert extrapolated[name] == full[name], name
     assert abs(extrapolated["temporaries"] - full["temporaries"]) <= 0.10 * full["temporaries"]
+
+
+def test_the_launch_estimate_agrees_with_a_cpu_compile_of_the_train_step(one_layer_config):
+    """`splitrl up`'s estimate (arithmetic only) against the plan's compile of the same train
+    step on this CPU: parameter bytes within 1% (biases are left out), the step's temporaries
+    within 20% (the per-token model was fitted to such compiles at other shapes)."""
+    from splitrl.planning import Target
+    from splitrl.planning.estimate import ModelShape, train_row_bytes, trainer_estimate
+    from splitrl.planning.services import TrainerPlanner
+
+    cfg = load_config(DEMO, ["trainer.mesh.axes={fsdp: 1}", "trainer.micro_batch_size=4",
+                             "sampler.max_sequence_length=128", "sampling.max_new_tokens=8"])
+    config = load_model_config(one_layer_config.parent)
+    planner = TrainerPlanner(cfg, config, Target("cpu", tuple(jax.devices("cpu")[:1]), 2**30))
+    compiled = planner.measure(4).categories
+    shape = ModelShape.from_model_dir(one_layer_config.parent)
+    estimated = trainer_estimate(cfg, shape, 4, devices=1, capacity=1).categories
+    assert _bytes_by_param(config, 4)[0] == compiled["parameters"]
+    assert abs(estimated["parameters"] - compiled["parameters"]) <= 0.01 * compiled["parameters"]
+    assert estimated["optimizer state"] == 2 * estimated["parameters"]
+    assert estimated["temporaries"] == 4 * train_row_bytes(shape, 128)
+    assert abs(estimated["temporaries"] - compiled["temporaries"]) <= (
+        0.20 * compiled["temporaries"]), (estimated["temporaries"], compiled["temporaries"])
