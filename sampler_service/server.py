@@ -43,6 +43,7 @@ from sampler_service import metrics
 from sampler_service.intake import BulkIntake, record_push
 from sampler_service.rollout import RequestError, RewardClient, RolloutWorker
 from sampler_service.weights import WeightStore
+from splitrl.agreement import DIFFERING_KEYS, agreed_settings
 from splitrl.config import Config
 from splitrl.dataplane.server import DataServer
 from splitrl.logs import configure_logging, set_context
@@ -72,6 +73,8 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.address = address
         self.data_address = ""
         self.instance_id = uuid.uuid4().hex  # this process, whatever address reaches it
+        # What a trainer must have equal to take this sampler (checked at its registration).
+        self.agreed = agreed_settings(config, weights.config, worker.tokenizer)
         metrics.WEIGHT_VERSION.set(weights.version)
 
     @property
@@ -101,6 +104,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             data_address=self.data_address,
             weights_id=self.weights.weights_id,
             base_fingerprint=self.weights.base_fingerprint,
+            agreed=self.agreed,
         )
         metrics.REQUESTS.labels("GetInfo", "OK").inc()
         return info
@@ -346,7 +350,7 @@ class TrainerRegistration:
     def _run(self) -> None:
         channel = make_channel(self.address, auth=self.auth)
         stub = trainer_pb2_grpc.TrainerStub(channel)
-        registered, failing = False, False
+        registered, failing, refused = False, False, ""
         me = dict(sampler_id=self.servicer.sampler_id, address=self.servicer.address)
         try:
             while not self._stop.is_set():
@@ -365,7 +369,14 @@ class TrainerRegistration:
                     failing = False
                 except grpc.RpcError as e:
                     registered = False
-                    if not failing:
+                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # refused: say why
+                        if refused != e.details():
+                            keys = dict(e.trailing_metadata() or ()).get(DIFFERING_KEYS, "")
+                            log.error("the trainer refused this sampler: %s", e.details(),
+                                      extra={"trainer": self.address,
+                                             "differing_keys": keys.split(",") if keys else []})
+                        refused = e.details()
+                    elif not failing:
                         log.info("trainer not reachable; will retry", extra={
                             "trainer": self.address, "code": e.code().name})
                     failing = True

@@ -36,6 +36,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from splitrl.agreement import agreed_settings
 from splitrl.config import Config, dump_config, to_dict
 from splitrl.jsonl import JsonlAppender
 from splitrl.logs import set_context
@@ -140,7 +141,9 @@ class TrainerRun:
                                             identity=ModelIdentity.of(
                                                 model.config.architecture,
                                                 param_shapes(model.config),
-                                                self.learner.base_fingerprint),
+                                                self.learner.base_fingerprint,
+                                                agreed_settings(cfg, model.config,
+                                                                self.tokenizer)),
                                             lora=self.learner.lora)
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
@@ -361,12 +364,17 @@ class TrainerRun:
         return self.hosts.params_for_push(self.learner.params, self.version)
 
     def _sync_new_sampler(self, handle: SamplerHandle) -> None:
-        """A sampler that joined gets the current weights before it gets work."""
+        """A sampler that joined gets the current weights before it gets work: whatever it
+        served (its checkpoint, another run's weights of the same model) is replaced."""
         params, version = self._host_params()
+        served = ("the weights of its own model.path" if not handle.weights_id
+                  else f"weights version {handle.weight_version} ({handle.weights_id})")
         result = self.publisher.push_one(handle, params, version, reset=True,
                                          unless_current=True)
-        log.info("sampler synced", extra={"address": handle.address, "ok": result.ok,
-                                          "version": version, "error": result.error})
+        outcome = ("reset to the trainer's weights, version" if result.ok
+                   else f"its reset failed ({result.error}); retried for version")
+        log.info(f"sampler {handle.label()} joined serving {served}: {outcome} {version}",
+                 extra={"address": handle.address, "ok": result.ok, "version": version})
 
     def _wait_for_samplers(self) -> None:
         wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],

@@ -19,6 +19,7 @@ import time
 import grpc
 from prometheus_client import Gauge
 
+from splitrl.agreement import DIFFERING_KEYS
 from splitrl.config import Config
 from splitrl.logs import configure_logging
 from splitrl.metrics import start_metrics_server
@@ -74,6 +75,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             steps_per_second=status.steps_per_s,
             data_cursor_json=json.dumps(status.data_cursor),
             last_metrics={k: float(v) for k, v in status.last_metrics.items()},
+            stalled=self.run.pool.stalled(),
         )
 
     def RegisterSampler(self, request, context):
@@ -82,9 +84,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"address: expected HOST:PORT reachable from the trainer, got {request.address!r}",
             )
-        try:  # a sampler of our model, once per process (it is asked for its GetInfo)
+        try:  # a sampler of this run, once per process (it is asked for its GetInfo)
             self.run.pool.register(request.address, request.sampler_id)
-        except RefusedSampler as e:
+        except RefusedSampler as e:  # the differing settings as a field, beside the words
+            context.set_trailing_metadata(((DIFFERING_KEYS, ",".join(e.keys)),))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         return trainer_pb2.RegisterSamplerReply(
             accepted=True,
@@ -112,6 +115,38 @@ class FollowerServicer(trainer_pb2_grpc.TrainerServicer):
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.message)
 
     Status = RegisterSampler = Heartbeat = _refuse
+
+
+class StallWatch:
+    """Health NOT_SERVING while the run cannot make progress and waiting will not help
+    (``SamplerPool.stalled``: every sampler refused), with one console line saying why; back
+    to SERVING when a usable sampler arrives. A probe (``splitrl health``, Kubernetes) sees it
+    within ``interval_s``."""
+
+    def __init__(self, run, server, interval_s: float):
+        self._run, self._server = run, server
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,),
+                                        name="stall-watch", daemon=True)
+        self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        reported = ""
+        while not self._stop.wait(interval_s):
+            reason = self._run.pool.stalled()
+            if reason == reported:
+                continue
+            self._server.set_serving(not reason)
+            if reason:
+                log.error("the run cannot make progress: %s; health is NOT_SERVING until a "
+                          "sampler of this run registers", reason)
+            else:
+                log.info("a usable sampler is back; health is SERVING")
+            reported = reason
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _progress_bar(total: int, initial: int):
@@ -171,6 +206,7 @@ def main(cfg: Config) -> int:
         auth=cfg.services.auth,
     )
     start_metrics_server(cfg.services.metrics_port)
+    stall_watch = StallWatch(run, server, cfg.services.heartbeat_s) if leader else None
 
     def on_signal(signum, _frame):
         if not leader:  # stopping alone would leave the others waiting in a collective
@@ -205,6 +241,8 @@ def main(cfg: Config) -> int:
     finally:
         if bar is not None:
             bar.close()
+        if stall_watch is not None:
+            stall_watch.stop()
         threading.Thread(target=server.stop, args=(5.0,), daemon=True).start()
     log.info("run finished", extra={**summary, "state": run.status.state})
     line = accuracy_line(summary)

@@ -26,13 +26,15 @@ from splitrl.v1 import common_pb2 as splitrl_dot_v1_dot_common__pb2
 from splitrl.v1 import tensor_pb2 as splitrl_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitrl/v1/sampler.proto\x12\nsplitrl.v1\x1a\x17splitrl/v1/common.proto\x1a\x17splitrl/v1/tensor.proto\")\n\x0eGetInfoRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"Z\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tpartition\x18\x04 \x03(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\"Z\n\x08MeshInfo\x12\x12\n\naxis_names\x18\x01 \x03(\t\x12\x12\n\naxis_sizes\x18\x02 \x03(\x05\x12\x14\n\x0c\x64\x65vice_count\x18\x03 \x01(\x05\x12\x10\n\x08platform\x18\x04 \x01(\t\"\x88\x03\n\x0bSamplerInfo\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x19\n\x11model_config_json\x18\x04 \x01(\t\x12%\n\x06params\x18\x05 \x03(\x0b\x32\x15.splitrl.v1.ParamInfo\x12\"\n\x04mesh\x18\x06 \x01(\x0b\x32\x14.splitrl.v1.MeshInfo\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\t \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x0b \x01(\t\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\r \x01(\t\x12\x12\n\nweights_id\x18\x0e \x01(\t\x12\x18\n\x10\x62\x61se_fingerprint\x18\x0f \x01(\t\"]\n\x0cLoraAdapters\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x18\n\x10\x62\x61se_fingerprint\x18\x04 \x01(\t\"\xb1\x01\n\nPushHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\r\n\x05reset\x18\x05 \x01(\x08\x12\x0f\n\x07push_id\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61se_id\x18\x07 \x01(\t\x12&\n\x04lora\x18\x08 \x01(\x0b\x32\x18.splitrl.v1.LoraAdapters\"o\n\x11WeightPushMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.splitrl.v1.PushHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.splitrl.v1.TensorChunkH\x00\x42\x06\n\x04kind\"b\n\x10PushWeightsReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x04 \x01(\x01\"\xd0\x01\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.splitrl.v1.Prompt\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.splitrl.v1.SamplingParams\x12\x13\n\x0bmin_version\x18\x05 \x01(\x03\x12\x18\n\x10reward_functions\x18\x06 \x03(\t\x12\x14\n\x0creproducible\x18\x07 \x01(\x08\"\xca\x02\n\x0bScoredGroup\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x04 \x03(\x0b\x32\x16.splitrl.v1.Completion\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.splitrl.v1.Timings\x12\x12\n\nsampler_id\x18\x07 \x01(\t\x12\x11\n\treference\x18\x08 \x01(\t\x12\x37\n\x08metadata\x18\t \x03(\x0b\x32%.splitrl.v1.ScoredGroup.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"o\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.splitrl.v1.Prompt\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.splitrl.v1.SamplingParams\x12\t\n\x01n\x18\x03 \x01(\x05\"k\n\x0fGeneratedPrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x16.splitrl.v1.Completion\"U\n\rGenerateReply\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.splitrl.v1.GeneratedPrompt\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x32\x9d\x02\n\x07Sampler\x12>\n\x07GetInfo\x12\x1a.splitrl.v1.GetInfoRequest\x1a\x17.splitrl.v1.SamplerInfo\x12L\n\x0bPushWeights\x12\x1d.splitrl.v1.WeightPushMessage\x1a\x1c.splitrl.v1.PushWeightsReply(\x01\x12@\n\x07Rollout\x12\x1a.splitrl.v1.RolloutRequest\x1a\x17.splitrl.v1.ScoredGroup0\x01\x12\x42\n\x08Generate\x12\x1b.splitrl.v1.GenerateRequest\x1a\x19.splitrl.v1.GenerateReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitrl/v1/sampler.proto\x12\nsplitrl.v1\x1a\x17splitrl/v1/common.proto\x1a\x17splitrl/v1/tensor.proto\")\n\x0eGetInfoRequest\x12\x17\n\x0finclude_digests\x18\x01 \x01(\x08\"Z\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tpartition\x18\x04 \x03(\t\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\"Z\n\x08MeshInfo\x12\x12\n\naxis_names\x18\x01 \x03(\t\x12\x12\n\naxis_sizes\x18\x02 \x03(\x05\x12\x14\n\x0c\x64\x65vice_count\x18\x03 \x01(\x05\x12\x10\n\x08platform\x18\x04 \x01(\t\"\xec\x03\n\x0bSamplerInfo\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x19\n\x11model_config_json\x18\x04 \x01(\t\x12%\n\x06params\x18\x05 \x03(\x0b\x32\x15.splitrl.v1.ParamInfo\x12\"\n\x04mesh\x18\x06 \x01(\x0b\x32\x14.splitrl.v1.MeshInfo\x12\x16\n\x0eweight_version\x18\x07 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\x05\x12\x1b\n\x13max_sequence_length\x18\t \x01(\x05\x12\x17\n\x0fmax_chunk_bytes\x18\n \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x0b \x01(\t\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\r \x01(\t\x12\x12\n\nweights_id\x18\x0e \x01(\t\x12\x18\n\x10\x62\x61se_fingerprint\x18\x0f \x01(\t\x12\x33\n\x06\x61greed\x18\x10 \x03(\x0b\x32#.splitrl.v1.SamplerInfo.AgreedEntry\x1a-\n\x0b\x41greedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"]\n\x0cLoraAdapters\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\r\n\x05\x61lpha\x18\x02 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x03 \x03(\t\x12\x18\n\x10\x62\x61se_fingerprint\x18\x04 \x01(\t\"\xb1\x01\n\nPushHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0ctensor_count\x18\x02 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x0e\n\x06sender\x18\x04 \x01(\t\x12\r\n\x05reset\x18\x05 \x01(\x08\x12\x0f\n\x07push_id\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61se_id\x18\x07 \x01(\t\x12&\n\x04lora\x18\x08 \x01(\x0b\x32\x18.splitrl.v1.LoraAdapters\"o\n\x11WeightPushMessage\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.splitrl.v1.PushHeaderH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.splitrl.v1.TensorChunkH\x00\x42\x06\n\x04kind\"b\n\x10PushWeightsReply\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x03\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x04 \x01(\x01\"\xd0\x01\n\x0eRolloutRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x07prompts\x18\x02 \x03(\x0b\x32\x12.splitrl.v1.Prompt\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.splitrl.v1.SamplingParams\x12\x13\n\x0bmin_version\x18\x05 \x01(\x03\x12\x18\n\x10reward_functions\x18\x06 \x03(\t\x12\x14\n\x0creproducible\x18\x07 \x01(\x08\"\xca\x02\n\x0bScoredGroup\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x04 \x03(\x0b\x32\x16.splitrl.v1.Completion\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.splitrl.v1.Timings\x12\x12\n\nsampler_id\x18\x07 \x01(\t\x12\x11\n\treference\x18\x08 \x01(\t\x12\x37\n\x08metadata\x18\t \x03(\x0b\x32%.splitrl.v1.ScoredGroup.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"o\n\x0fGenerateRequest\x12#\n\x07prompts\x18\x01 \x03(\x0b\x32\x12.splitrl.v1.Prompt\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.splitrl.v1.SamplingParams\x12\t\n\x01n\x18\x03 \x01(\x05\"k\n\x0fGeneratedPrompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x16.splitrl.v1.Completion\"U\n\rGenerateReply\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.splitrl.v1.GeneratedPrompt\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x32\x9d\x02\n\x07Sampler\x12>\n\x07GetInfo\x12\x1a.splitrl.v1.GetInfoRequest\x1a\x17.splitrl.v1.SamplerInfo\x12L\n\x0bPushWeights\x12\x1d.splitrl.v1.WeightPushMessage\x1a\x1c.splitrl.v1.PushWeightsReply(\x01\x12@\n\x07Rollout\x12\x1a.splitrl.v1.RolloutRequest\x1a\x17.splitrl.v1.ScoredGroup0\x01\x12\x42\n\x08Generate\x12\x1b.splitrl.v1.GenerateRequest\x1a\x19.splitrl.v1.GenerateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitrl.v1.sampler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLERINFO_AGREEDENTRY']._loaded_options = None
+  _globals['_SAMPLERINFO_AGREEDENTRY']._serialized_options = b'8\001'
   _globals['_SCOREDGROUP_METADATAENTRY']._loaded_options = None
   _globals['_SCOREDGROUP_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_GETINFOREQUEST']._serialized_start=90
@@ -42,27 +44,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MESHINFO']._serialized_start=225
   _globals['_MESHINFO']._serialized_end=315
   _globals['_SAMPLERINFO']._serialized_start=318
-  _globals['_SAMPLERINFO']._serialized_end=710
-  _globals['_LORAADAPTERS']._serialized_start=712
-  _globals['_LORAADAPTERS']._serialized_end=805
-  _globals['_PUSHHEADER']._serialized_start=808
-  _globals['_PUSHHEADER']._serialized_end=985
-  _globals['_WEIGHTPUSHMESSAGE']._serialized_start=987
-  _globals['_WEIGHTPUSHMESSAGE']._serialized_end=1098
-  _globals['_PUSHWEIGHTSREPLY']._serialized_start=1100
-  _globals['_PUSHWEIGHTSREPLY']._serialized_end=1198
-  _globals['_ROLLOUTREQUEST']._serialized_start=1201
-  _globals['_ROLLOUTREQUEST']._serialized_end=1409
-  _globals['_SCOREDGROUP']._serialized_start=1412
-  _globals['_SCOREDGROUP']._serialized_end=1742
-  _globals['_SCOREDGROUP_METADATAENTRY']._serialized_start=1695
-  _globals['_SCOREDGROUP_METADATAENTRY']._serialized_end=1742
-  _globals['_GENERATEREQUEST']._serialized_start=1744
-  _globals['_GENERATEREQUEST']._serialized_end=1855
-  _globals['_GENERATEDPROMPT']._serialized_start=1857
-  _globals['_GENERATEDPROMPT']._serialized_end=1964
-  _globals['_GENERATEREPLY']._serialized_start=1966
-  _globals['_GENERATEREPLY']._serialized_end=2051
-  _globals['_SAMPLER']._serialized_start=2054
-  _globals['_SAMPLER']._serialized_end=2339
+  _globals['_SAMPLERINFO']._serialized_end=810
+  _globals['_SAMPLERINFO_AGREEDENTRY']._serialized_start=765
+  _globals['_SAMPLERINFO_AGREEDENTRY']._serialized_end=810
+  _globals['_LORAADAPTERS']._serialized_start=812
+  _globals['_LORAADAPTERS']._serialized_end=905
+  _globals['_PUSHHEADER']._serialized_start=908
+  _globals['_PUSHHEADER']._serialized_end=1085
+  _globals['_WEIGHTPUSHMESSAGE']._serialized_start=1087
+  _globals['_WEIGHTPUSHMESSAGE']._serialized_end=1198
+  _globals['_PUSHWEIGHTSREPLY']._serialized_start=1200
+  _globals['_PUSHWEIGHTSREPLY']._serialized_end=1298
+  _globals['_ROLLOUTREQUEST']._serialized_start=1301
+  _globals['_ROLLOUTREQUEST']._serialized_end=1509
+  _globals['_SCOREDGROUP']._serialized_start=1512
+  _globals['_SCOREDGROUP']._serialized_end=1842
+  _globals['_SCOREDGROUP_METADATAENTRY']._serialized_start=1795
+  _globals['_SCOREDGROUP_METADATAENTRY']._serialized_end=1842
+  _globals['_GENERATEREQUEST']._serialized_start=1844
+  _globals['_GENERATEREQUEST']._serialized_end=1955
+  _globals['_GENERATEDPROMPT']._serialized_start=1957
+  _globals['_GENERATEDPROMPT']._serialized_end=2064
+  _globals['_GENERATEREPLY']._serialized_start=2066
+  _globals['_GENERATEREPLY']._serialized_end=2151
+  _globals['_SAMPLER']._serialized_start=2154
+  _globals['_SAMPLER']._serialized_end=2439
 # @@protoc_insertion_point(module_scope)

@@ -41,7 +41,14 @@ class MeshInfo(_message.Message):
     def __init__(self, axis_names: _Optional[_Iterable[str]] = ..., axis_sizes: _Optional[_Iterable[int]] = ..., device_count: _Optional[int] = ..., platform: _Optional[str] = ...) -> None: ...
 
 class SamplerInfo(_message.Message):
-    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address", "instance_id", "data_address", "weights_id", "base_fingerprint")
+    __slots__ = ("sampler_id", "model_fingerprint", "architecture", "model_config_json", "params", "mesh", "weight_version", "max_batch_size", "max_sequence_length", "max_chunk_bytes", "address", "instance_id", "data_address", "weights_id", "base_fingerprint", "agreed")
+    class AgreedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SAMPLER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +64,7 @@ class SamplerInfo(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AGREED_FIELD_NUMBER: _ClassVar[int]
     sampler_id: str
     model_fingerprint: str
     architecture: str
@@ -72,7 +80,8 @@ class SamplerInfo(_message.Message):
     data_address: str
     weights_id: str
     base_fingerprint: str
-    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., data_address: _Optional[str] = ..., weights_id: _Optional[str] = ..., base_fingerprint: _Optional[str] = ...) -> None: ...
+    agreed: _containers.ScalarMap[str, str]
+    def __init__(self, sampler_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., architecture: _Optional[str] = ..., model_config_json: _Optional[str] = ..., params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., mesh: _Optional[_Union[MeshInfo, _Mapping]] = ..., weight_version: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_sequence_length: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., data_address: _Optional[str] = ..., weights_id: _Optional[str] = ..., base_fingerprint: _Optional[str] = ..., agreed: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoraAdapters(_message.Message):
     __slots__ = ("rank", "alpha", "target_modules", "base_fingerprint")

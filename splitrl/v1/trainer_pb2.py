@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitrl/v1/trainer.proto\x12\nsplitrl.v1\"\x0f\n\rStatusRequest\"\x8c\x01\n\rSamplerStatus\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10inflight_prompts\x18\x05 \x01(\x05\x12\x13\n\x0blast_seen_s\x18\x06 \x01(\x01\"\xd7\x02\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12+\n\x08samplers\x18\x06 \x03(\x0b\x32\x19.splitrl.v1.SamplerStatus\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x18\n\x10steps_per_second\x18\x08 \x01(\x01\x12\x18\n\x10\x64\x61ta_cursor_json\x18\t \x01(\t\x12>\n\x0clast_metrics\x18\n \x03(\x0b\x32(.splitrl.v1.StatusReply.LastMetricsEntry\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x16RegisterSamplerRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"^\n\x14RegisterSamplerReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"O\n\x10HeartbeatRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"7\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x32\xe7\x01\n\x07Trainer\x12<\n\x06Status\x12\x19.splitrl.v1.StatusRequest\x1a\x17.splitrl.v1.StatusReply\x12W\n\x0fRegisterSampler\x12\".splitrl.v1.RegisterSamplerRequest\x1a .splitrl.v1.RegisterSamplerReply\x12\x45\n\tHeartbeat\x12\x1c.splitrl.v1.HeartbeatRequest\x1a\x1a.splitrl.v1.HeartbeatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitrl/v1/trainer.proto\x12\nsplitrl.v1\"\x0f\n\rStatusRequest\"\x8c\x01\n\rSamplerStatus\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10inflight_prompts\x18\x05 \x01(\x05\x12\x13\n\x0blast_seen_s\x18\x06 \x01(\x01\"\xe8\x02\n\x0bStatusReply\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x04 \x01(\x03\x12\x16\n\x0eweight_version\x18\x05 \x01(\x03\x12+\n\x08samplers\x18\x06 \x03(\x0b\x32\x19.splitrl.v1.SamplerStatus\x12\x19\n\x11tokens_per_second\x18\x07 \x01(\x01\x12\x18\n\x10steps_per_second\x18\x08 \x01(\x01\x12\x18\n\x10\x64\x61ta_cursor_json\x18\t \x01(\t\x12>\n\x0clast_metrics\x18\n \x03(\x0b\x32(.splitrl.v1.StatusReply.LastMetricsEntry\x12\x0f\n\x07stalled\x18\x0b \x01(\t\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"=\n\x16RegisterSamplerRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"^\n\x14RegisterSamplerReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"O\n\x10HeartbeatRequest\x12\x12\n\nsampler_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"7\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x32\xe7\x01\n\x07Trainer\x12<\n\x06Status\x12\x19.splitrl.v1.StatusRequest\x1a\x17.splitrl.v1.StatusReply\x12W\n\x0fRegisterSampler\x12\".splitrl.v1.RegisterSamplerRequest\x1a .splitrl.v1.RegisterSamplerReply\x12\x45\n\tHeartbeat\x12\x1c.splitrl.v1.HeartbeatRequest\x1a\x1a.splitrl.v1.HeartbeatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLERSTATUS']._serialized_start=58
   _globals['_SAMPLERSTATUS']._serialized_end=198
   _globals['_STATUSREPLY']._serialized_start=201
-  _globals['_STATUSREPLY']._serialized_end=544
-  _globals['_STATUSREPLY_LASTMETRICSENTRY']._serialized_start=494
-  _globals['_STATUSREPLY_LASTMETRICSENTRY']._serialized_end=544
-  _globals['_REGISTERSAMPLERREQUEST']._serialized_start=546
-  _globals['_REGISTERSAMPLERREQUEST']._serialized_end=607
-  _globals['_REGISTERSAMPLERREPLY']._serialized_start=609
-  _globals['_REGISTERSAMPLERREPLY']._serialized_end=703
-  _globals['_HEARTBEATREQUEST']._serialized_start=705
-  _globals['_HEARTBEATREQUEST']._serialized_end=784
-  _globals['_HEARTBEATREPLY']._serialized_start=786
-  _globals['_HEARTBEATREPLY']._serialized_end=841
-  _globals['_TRAINER']._serialized_start=844
-  _globals['_TRAINER']._serialized_end=1075
+  _globals['_STATUSREPLY']._serialized_end=561
+  _globals['_STATUSREPLY_LASTMETRICSENTRY']._serialized_start=511
+  _globals['_STATUSREPLY_LASTMETRICSENTRY']._serialized_end=561
+  _globals['_REGISTERSAMPLERREQUEST']._serialized_start=563
+  _globals['_REGISTERSAMPLERREQUEST']._serialized_end=624
+  _globals['_REGISTERSAMPLERREPLY']._serialized_start=626
+  _globals['_REGISTERSAMPLERREPLY']._serialized_end=720
+  _globals['_HEARTBEATREQUEST']._serialized_start=722
+  _globals['_HEARTBEATREQUEST']._serialized_end=801
+  _globals['_HEARTBEATREPLY']._serialized_start=803
+  _globals['_HEARTBEATREPLY']._serialized_end=858
+  _globals['_TRAINER']._serialized_start=861
+  _globals['_TRAINER']._serialized_end=1092
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,7 @@ class SamplerStatus(_message.Message):
     def __init__(self, sampler_id: _Optional[str] = ..., address: _Optional[str] = ..., weight_version: _Optional[int] = ..., healthy: _Optional[bool] = ..., inflight_prompts: _Optional[int] = ..., last_seen_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "state", "step", "total_steps", "weight_version", "samplers", "tokens_per_second", "steps_per_second", "data_cursor_json", "last_metrics")
+    __slots__ = ("run_id", "state", "step", "total_steps", "weight_version", "samplers", "tokens_per_second", "steps_per_second", "data_cursor_json", "last_metrics", "stalled")
     class LastMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class StatusReply(_message.Message):
     STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     DATA_CURSOR_JSON_FIELD_NUMBER: _ClassVar[int]
     LAST_METRICS_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: str
     step: int
@@ -55,7 +56,8 @@ class StatusReply(_message.Message):
     steps_per_second: float
     data_cursor_json: str
     last_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., samplers: _Optional[_Iterable[_Union[SamplerStatus, _Mapping]]] = ..., tokens_per_second: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., data_cursor_json: _Optional[str] = ..., last_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    stalled: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[str] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weight_version: _Optional[int] = ..., samplers: _Optional[_Iterable[_Union[SamplerStatus, _Mapping]]] = ..., tokens_per_second: _Optional[float] = ..., steps_per_second: _Optional[float] = ..., data_cursor_json: _Optional[str] = ..., last_metrics: _Optional[_Mapping[str, float]] = ..., stalled: _Optional[str] = ...) -> None: ...
 
 class RegisterSamplerRequest(_message.Message):
     __slots__ = ("sampler_id", "address")

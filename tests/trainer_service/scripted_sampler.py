@@ -32,6 +32,7 @@ class Script:
     flat: bool = False  # every completion of a group gets the same reward
     architecture: str = "ScriptedForCausalLM"
     shapes: dict = field(default_factory=lambda: {"model.embed_tokens.weight": (16, 8)})
+    agreed: dict = field(default_factory=dict)  # GetInfo.agreed (splitrl.agreement)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
                                        max_batch_size=self.script.capacity,
                                        max_sequence_length=64, max_chunk_bytes=1 << 20,
                                        architecture=self.script.architecture, params=params,
-                                       instance_id=self.instance_id)
+                                       instance_id=self.instance_id, agreed=self.script.agreed)
 
     def Rollout(self, request, context):
         script = self.script

@@ -4,14 +4,18 @@ a configured address is probed."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from splitrl.config import ServicesConfig
-from splitrl.serving import start_server
+from splitrl.retry import wait_until
+from splitrl.serving import check_health, start_server
 from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
 from trainer_service.orchestration.identity import ModelIdentity, RefusedSampler
 from trainer_service.orchestration.membership import SamplerPool
+from trainer_service.server import StallWatch
 
 OURS = ModelIdentity.of("ScriptedForCausalLM",
                         {"model.embed_tokens.weight": np.zeros((16, 8), np.float32)})
@@ -66,6 +70,48 @@ def test_a_sampler_of_another_model_is_refused_with_the_reason():
     finally:
         other.stop()
     assert OURS.mismatch(other.GetInfo(None, None)) is not None
+
+
+def test_a_sampler_of_another_config_is_refused_naming_the_keys_and_the_run_is_stalled():
+    """Services started by hand with different configs: refused at registration (not at the
+    first push), every differing key named; with no usable sampler the pool says why, until
+    one of this run arrives."""
+    settings = {"trainer.steps": "10", "tokenizer": "sha256:aa", "model.vocab_size": "16"}
+    ours = ModelIdentity.of("ScriptedForCausalLM",
+                            {"model.embed_tokens.weight": np.zeros((16, 8), np.float32)},
+                            settings=settings)
+    other = ScriptedSampler("other", Script(agreed={**settings, "trainer.steps": "30",
+                                                    "tokenizer": "sha256:bb"})).start()
+    good = ScriptedSampler("good", Script(agreed=settings)).start()
+    p = SamplerPool(ServicesConfig(sampler_timeout_s=30.0), max_message_bytes=4 << 20,
+                    identity=ours)
+    try:
+        assert p.stalled() == ""  # no sampler yet is not a refusal: they may be starting
+        with pytest.raises(RefusedSampler, match="tokenizer: trainer sha256:aa, sampler "
+                                                 "sha256:bb; trainer.steps: trainer 10, "
+                                                 "sampler 30") as caught:
+            p.register(other.address)
+        assert caught.value.keys == ["tokenizer", "trainer.steps"]
+        assert p.stalled().startswith(f"every sampler was refused: {other.address}: its "
+                                      "settings differ")
+        # A probe sees it: the trainer's health is NOT_SERVING while it is stalled.
+        server = start_server(lambda s: None, "127.0.0.1:0", service_names=["splitrl.v1.Trainer"])
+        watch = StallWatch(SimpleNamespace(pool=p), server, interval_s=0.05)
+        try:
+            assert wait_until(lambda: not check_health(server.address), timeout_s=10,
+                              what="NOT_SERVING")
+            p.register(good.address)
+            p.refresh()  # probed: it syncs, so the run can go on
+            assert [h.address for h in p.all()] == [good.address] and p.stalled() == ""
+            assert wait_until(lambda: check_health(server.address), timeout_s=10,
+                              what="SERVING again")
+        finally:
+            watch.stop()
+            server.stop(0)
+    finally:
+        p.stop()
+        other.stop()
+        good.stop()
 
 
 def test_an_address_that_is_not_a_sampler_is_refused():

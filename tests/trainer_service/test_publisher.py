@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -216,6 +217,26 @@ def test_a_stopped_sampler_does_not_hold_the_push_and_catches_up(samplers, param
     want = _bf16_digests(versions[53])
     for proc in samplers:
         assert _served(proc)["digests"] == want
+
+
+def test_a_push_refused_for_good_drops_the_sampler_at_once(samplers, params):
+    """A refusal every later push would get too (a version beyond the sampler's trainer.steps,
+    100: another config) is not retried or waited out: the sampler is refused and dropped with
+    the reason, and the pool says the run cannot make progress."""
+    target = samplers[1]
+    pool = _pool([target.address])
+    publisher = WeightPublisher(pool, auth=AUTH, push=PushConfig(timeout_s=120))
+    try:
+        [result] = publisher.push_all(params, 101)
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT, result
+        assert "beyond trainer.steps 100" in result.error
+        assert pool.all() == []
+        stalled = pool.stalled()
+        assert stalled.startswith(f"every sampler was refused: {target.address}: it refused "
+                                  "push version 101") and "trainer.steps 100" in stalled
+    finally:
+        publisher.close()
+        pool.stop()
 
 
 def test_a_relay_killed_mid_push_costs_the_others_nothing(samplers, params):

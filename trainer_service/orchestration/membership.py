@@ -14,10 +14,13 @@ A sampler goes ``new`` -> ``syncing`` (the publisher pushes the current weights)
 unreachable for ``services.sampler_timeout_s`` is dropped: its channel is closed, so its calls
 in flight fail and the rollout queue hands their prompts to other samplers.
 
-A sampler must be a SplitRL sampler of this model (``identity.py``): an address that answers
-``GetInfo`` with another architecture or other parameter shapes is refused, and a second
-address of a process already known (same instance id) is merged into the known entry, not
-added beside it.
+A sampler must be a SplitRL sampler of this run (``identity.py``): an address that answers
+``GetInfo`` with other agreed settings (config, model, tokenizer), another architecture or
+other parameter shapes is refused, naming what differs, and a second address of a process
+already known (same instance id) is merged into the known entry, not added beside it. A
+sampler that refuses our pushes for a reason that will not change is refused too
+(:meth:`SamplerPool.refuse`). When every sampler is refused, :meth:`SamplerPool.stalled` says
+why: the trainer reports it (``Status.stalled``, health NOT_SERVING) instead of waiting.
 
 The pool is the one writer of sampler state: every field of a :class:`SamplerHandle` changes
 only inside a pool method, under the pool's lock. The dispatcher and the publisher report what
@@ -149,7 +152,8 @@ class SamplerPool:
         reason = self._identity.mismatch(info) if self._identity else None
         if reason:
             self._refuse(address, reason)
-            raise RefusedSampler(f"{address} is not a sampler of this run's model: {reason}")
+            raise RefusedSampler(f"{address} is not a sampler of this run: {reason}",
+                                 keys=self._identity.differing_keys(info))
         with self._lock:
             twin = self._instance(info.instance_id)
             if twin is not None and twin.address != address:
@@ -179,8 +183,31 @@ class SamplerPool:
 
     def _refuse(self, address: str, reason: str) -> None:
         with self._lock:
+            repeated = self._refused.get(address, (None, ""))[1] == reason
             self._refused[address] = (time.monotonic(), reason)
-        log.warning("sampler refused", extra={"address": address, "why": reason})
+        # An error, once per address and reason (a configured address is retried).
+        (log.info if repeated else log.error)(f"sampler {address} refused: {reason}",
+                                              extra={"address": address})
+
+    def refuse(self, handle: SamplerHandle, reason: str) -> None:
+        """``handle`` refuses what every push of ours would be (``reason``): drop it and keep
+        it out until it is restarted (a configured address is tried again after
+        ``services.sampler_timeout_s``; a sampler that registers again is checked again)."""
+        self._refuse(handle.address, reason)
+        self.remove(handle, reason)
+
+    def stalled(self) -> str:
+        """Why no sampler can take work and waiting will not help (every sampler known was
+        refused); "" while some sampler is usable or may still become so."""
+        with self._lock:
+            if any(h.state in (SYNCING, READY, SUSPECT) for h in self._samplers.values()):
+                return ""
+            refused = sorted(self._refused.items())
+        if not refused:
+            return ""
+        address, (_, reason) = refused[0]
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        return f"every sampler was refused: {address}: {reason}{more}"
 
     def remove(self, handle: SamplerHandle, why: str) -> None:
         with self._lock:
@@ -258,6 +285,7 @@ class SamplerPool:
                 handle.state = NEW
             handle.info = info
             handle.sampler_id = info.sampler_id or handle.sampler_id
+            self._refused.pop(handle.address, None)  # it passed the check this time
             handle.last_ok = time.monotonic()
             if handle.state == NEW:
                 # Afterwards the version is tracked from our own pushes (a probe's reply may

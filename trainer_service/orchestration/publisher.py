@@ -22,7 +22,10 @@ does not need whole. ``trainer.push`` (docs/weight-sync.md) chooses how the byte
   fingerprint; each sampler merges them into its own copy of that base (never a delta).
 
 A sampler that answers FAILED_PRECONDITION (it serves a newer version, or another base) is
-pushed again at once as a full reset to exactly our weights. Sampler state changes only through
+pushed again at once as a full reset to exactly our weights. One that answers
+INVALID_ARGUMENT refuses what any push of ours would be (a version beyond its
+``trainer.steps``, parameters it does not have): waiting cannot help, so it is refused and
+dropped from the pool at once, with its reason on the console. Sampler state changes only through
 the pool (``mark_ready``, ``report_ok``, ``report_failure``, ``weights_unknown``, ``remove``).
 """
 
@@ -85,6 +88,13 @@ class PushResult:
     # Not finished when push_all returned: a straggler (its push goes on in the background)
     # or a sampler still busy with an earlier push (skipped this time).
     background: bool = False
+    # The status the push ended with (OK when ok; INVALID_ARGUMENT also for layouts that do
+    # not match, found before anything is sent); None when nothing was attempted.
+    code: grpc.StatusCode | None = None
+
+
+# Refusals that every later push would get too: the sampler is dropped, never retried.
+_PERMANENT = frozenset({grpc.StatusCode.INVALID_ARGUMENT})
 
 
 def push_metrics(results: list[PushResult]) -> dict[str, float]:
@@ -339,8 +349,8 @@ class WeightPublisher:
             for handle, result, relay_failure in round_results:
                 if relay_failure:
                     pending.append(handle)  # cut off by a relay: try again without it
-                elif (not result.ok and not reset and result.error.startswith(
-                        "FAILED_PRECONDITION") and handle not in resets):
+                elif (not result.ok and not reset and handle not in resets
+                      and result.code == grpc.StatusCode.FAILED_PRECONDITION):
                     resets.append(handle)
                 else:
                     results[handle.address] = result
@@ -357,8 +367,9 @@ class WeightPublisher:
             self.pool.mark_ready(handle, result.version, self._push_id(handle, result.version))
         elif result.transport:  # something was attempted and failed
             self.pool.weights_unknown(handle)
-            if result.error.startswith("INCOMPATIBLE"):
-                self.pool.remove(handle, result.error)
+            if result.code in _PERMANENT:
+                self.pool.refuse(handle, f"it refused push version {result.version}: "
+                                         f"{result.error}")
             else:
                 self.pool.report_failure(handle, f"push failed: {result.error}")
                 log.warning("weight push failed", extra=result.__dict__)
@@ -392,7 +403,9 @@ class WeightPublisher:
                     header.lora.CopyFrom(self.lora)
             except ValueError as e:  # layouts do not match: a different model
                 return [(h, PushResult(h.address, version, False, error=f"INCOMPATIBLE: {e}",
-                                       transport="bulk"), False) for h in chain]
+                                       transport="bulk",
+                                       code=grpc.StatusCode.INVALID_ARGUMENT), False)
+                        for h in chain]
             frames = iter_push_frames(
                 params, version, max_chunk_bytes=min(h.info.max_chunk_bytes for h in chain),
                 target_shardings=layouts, base=base.block if use_delta else None,
@@ -414,7 +427,7 @@ class WeightPublisher:
                 handle.address, o.version if ok else version, ok, o.bytes_received, seconds,
                 "" if ok else f"{code.name}: {o.message}",
                 egress_bytes=link.bytes_sent if i == 0 else 0, full_bytes=header.total_bytes,
-                transport="bulk", delta=use_delta), o.relay_failure))
+                transport="bulk", delta=use_delta, code=code), o.relay_failure))
         return out
 
     def _push_grpc(self, handle: SamplerHandle, params: Mapping, version: int,
@@ -436,13 +449,15 @@ class WeightPublisher:
             return handle, PushResult(handle.address, version, False,
                                       seconds=time.monotonic() - start,
                                       error=f"{e.code().name}: {e.details()}",
-                                      transport="grpc"), False
+                                      transport="grpc", code=e.code()), False
         except ValueError as e:  # layouts do not match: a different model
             return handle, PushResult(handle.address, version, False,
-                                      error=f"INCOMPATIBLE: {e}", transport="grpc"), False
+                                      error=f"INCOMPATIBLE: {e}", transport="grpc",
+                                      code=grpc.StatusCode.INVALID_ARGUMENT), False
         return handle, PushResult(handle.address, reply.version, True, reply.bytes_received,
                                   time.monotonic() - start, egress_bytes=reply.bytes_received,
-                                  full_bytes=first.header.total_bytes, transport="grpc"), False
+                                  full_bytes=first.header.total_bytes, transport="grpc",
+                                  code=grpc.StatusCode.OK), False
 
 
 def _data_address(handle: SamplerHandle) -> str:
