@@ -371,10 +371,10 @@ class TrainerRun:
                   else f"weights version {handle.weight_version} ({handle.weights_id})")
         result = self.publisher.push_one(handle, params, version, reset=True,
                                          unless_current=True)
-        outcome = ("reset to the trainer's weights, version" if result.ok
-                   else f"its reset failed ({result.error}); retried for version")
-        log.info(f"sampler {handle.label()} joined serving {served}: {outcome} {version}",
-                 extra={"address": handle.address, "ok": result.ok, "version": version})
+        # One line: what it served before, and that it now serves the trainer's weights.
+        log.info("sampler synced", extra={"address": handle.address, "served_before": served,
+                                          "ok": result.ok, "version": version,
+                                          "error": result.error})
 
     def _wait_for_samplers(self) -> None:
         wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
@@ -403,7 +403,7 @@ class TrainerRun:
                 meta.get("learner"), where=f"checkpoint in {self.checkpointer.directory}")
 
         ckpt, skipped = self.checkpointer.restore_newest(self.learner.abstract_train_state(),
-                                                         check)
+                                                         check, move_aside=self.hosts.is_leader)
         self.resumed_from = ckpt.step
         self.learner.load_train_state(ckpt.state, ckpt.step)
         self.step, self.version = ckpt.step, ckpt.weight_version
