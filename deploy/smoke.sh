@@ -6,9 +6,10 @@
 #      image's whole build cache) and an image holding the host's CA bundle, which only the build
 #      stage reads;
 #   2. builds the SplitRL image from deploy/Dockerfile (host network, so pip reaches PyPI);
-#   3. run "demo": deploy/compose.yaml as is (2 samplers); the trainer must finish, print greedy
-#      accuracy before -> after, export the model into the `runs` volume and train every drawn
-#      prompt exactly once, and every service must report SERVING through gRPC health;
+#   3. run "demo": deploy/compose.yaml as is (2 samplers); the trainer must finish, record its
+#      greedy accuracy before and after in summary.json, export the model into the `runs` volume
+#      and train every drawn prompt exactly once, and every service must report SERVING through
+#      gRPC health;
 #   4. run "faults": --scale sampler=3; all three get work; one sampler container is killed
 #      mid-run while it holds prompts (no prompt may be lost); the trainer container is
 #      restarted mid-run and must resume from the step it checkpointed;
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     --skip-build) BUILD=0; shift ;;
     --only) ONLY=$2; shift 2 ;;
     --compose) COMPOSE_CMD=$2; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -181,10 +182,11 @@ sampler_map() {  # NAME<TAB>IP of every sampler container, while they run
     -f '{{.Name}}{{"\t"}}{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' > "$WORK/samplers.tsv"
 }
 
-collect() {  # trainer-id: its log, trained_prompts.jsonl and the export, out of the volume
+collect() {  # trainer-id: its log, trained_prompts.jsonl, summary.json and the export
   docker logs "$1" > "$WORK/trainer.log" 2>&1
   docker cp "$1:$RUN_DIR/trained_prompts.jsonl" "$WORK/trained_prompts.jsonl"
   docker cp "$1:$RUN_DIR/metrics.jsonl" "$WORK/metrics.jsonl"
+  docker cp "$1:$RUN_DIR/summary.json" "$WORK/summary.json"
   rm -rf "$WORK/export"
   docker cp "$1:$RUN_DIR/export" "$WORK/export"
   [ -s "$WORK/export/config.json" ] && [ -s "$WORK/export/model.safetensors" ] \
@@ -219,7 +221,8 @@ if [ -z "$ONLY" ] || [ "$ONLY" = demo ]; then
   expect=(--expect-samplers 2)
   [ "$DEMO_STEPS" -lt 150 ] || expect+=(--expect-accuracy)  # the full demo must learn
   if ! python3 deploy/smoke_check.py --trained "$WORK/trained_prompts.jsonl" \
-      --metrics "$WORK/metrics.jsonl" --log "$WORK/trainer.log" --steps "$DEMO_STEPS" \
+      --metrics "$WORK/metrics.jsonl" --summary "$WORK/summary.json" --log "$WORK/trainer.log" \
+      --steps "$DEMO_STEPS" \
       --prompts-per-step "$PROMPTS_PER_STEP" --samplers "$WORK/samplers.tsv" "${expect[@]}" \
       | tee -a "$SUMMARY"; then
     die "demo run checks"
@@ -264,7 +267,8 @@ if [ -z "$ONLY" ] || [ "$ONLY" = faults ]; then
   note "  run time (up to trainer exit): $(( $(date +%s) - t0 )) s"
   collect "$trainer"
   if ! python3 deploy/smoke_check.py --trained "$WORK/trained_prompts.jsonl" \
-      --metrics "$WORK/metrics.jsonl" --log "$WORK/trainer.log" --steps "$FAULT_STEPS" \
+      --metrics "$WORK/metrics.jsonl" --summary "$WORK/summary.json" --log "$WORK/trainer.log" \
+      --steps "$FAULT_STEPS" \
       --prompts-per-step "$PROMPTS_PER_STEP" --samplers "$WORK/samplers.tsv" \
       --expect-samplers 3 --expect-resume | tee -a "$SUMMARY"; then
     die "faults run checks"

@@ -1,17 +1,20 @@
 """Checks what a compose run left behind (used by ``deploy/smoke.sh``; standard library only, so
 it runs with the host's ``python3`` and no project venv).
 
-    python3 deploy/smoke_check.py --trained trained_prompts.jsonl --log trainer.log \\
-        --steps 60 --prompts-per-step 16 [--samplers samplers.tsv --expect-samplers 3] \\
-        [--expect-resume] [--expect-accuracy]
+    python3 deploy/smoke_check.py --trained trained_prompts.jsonl --summary summary.json \\
+        --log trainer.log --steps 60 --prompts-per-step 16 \\
+        [--samplers samplers.tsv --expect-samplers 3] [--expect-resume] [--expect-accuracy]
 
 What it checks, from the trainer's own records:
 
 - every step 1..steps was trained once, each on ``prompts-per-step`` prompts;
 - work per sampler (the ``samplers`` field), mapped to container names by ``--samplers``
   (``NAME<TAB>ADDRESS-HOST`` lines); every expected sampler got work;
-- the accuracy line ``greedy accuracy: A -> B`` and, with ``--expect-resume``, that the trainer
-  stopped at a step and resumed from exactly that step.
+- the run's greedy accuracy before and after training, from the fields the trainer writes to
+  ``summary.json`` (``eval_before/accuracy``, ``eval_after/accuracy``; not from its console
+  text, whose wording may change), and that the run ended ``done`` at ``--steps``;
+- with ``--expect-resume``, from the trainer's JSON log lines, that it stopped at a step and
+  resumed from exactly that step.
 
 Exactly-once accounting (no prompt lost or trained twice, across restarts) is not repeated
 here: ``smoke.sh`` runs the project's own ``splitrl audit`` on the run directory in the volume.
@@ -23,14 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ACCURACY = re.compile(r"greedy accuracy: (?P<before>[0-9.]+|nan) -> (?P<after>[0-9.]+|nan)")
 STOPPED_MSG = "stopped; resume continues from this step"
 RESUMED_MSG = "resumed from checkpoint"
 
@@ -94,20 +94,14 @@ def log_records(text: str) -> list[dict]:
     return out
 
 
-def accuracy(text: str) -> tuple[float, float] | None:
-    """The last ``greedy accuracy: before -> after`` line of the trainer's output. A resumed
-    trainer does not evaluate again before training (it prints nan): the accuracy before is
-    then the one its first start logged (the ``evaluation`` record with eval_before)."""
-    found = ACCURACY.findall(text)
-    if not found:
+def accuracy(summary: dict) -> tuple[float, float, int] | None:
+    """(accuracy before, after, the step "before" was measured at) from the trainer's
+    ``summary.json``, or None when the run has not both. A trainer that resumed measures
+    "before" at the step it resumed from (``eval_before/step``)."""
+    before, after = summary.get("eval_before/accuracy"), summary.get("eval_after/accuracy")
+    if before is None or after is None:
         return None
-    before, after = (float(x) for x in found[-1])
-    if math.isnan(before):
-        for rec in log_records(text):
-            if rec.get("msg") == "evaluation" and "eval_before/accuracy" in rec:
-                before = float(rec["eval_before/accuracy"])
-                break
-    return before, after
+    return float(before), float(after), int(summary.get("eval_before/step", 0))
 
 
 def resumes(text: str) -> list[tuple[int, int]]:
@@ -158,14 +152,19 @@ def check(args: argparse.Namespace) -> int:
         counts = [m["counts/redispatched"] for m in read_jsonl(args.metrics)
                   if "counts/redispatched" in m]
         print(f"prompts re-dispatched after a sampler failed: {int(restarted_total(counts))}")
-    log = args.log.read_text() if args.log else ""
-    acc = accuracy(log)
+    summary = json.loads(args.summary.read_text())
+    if summary.get("state") != "done" or summary.get("step") != args.steps:
+        problems.append(f"summary.json: state {summary.get('state')!r} at step "
+                        f"{summary.get('step')}, expected 'done' at step {args.steps}")
+    acc = accuracy(summary)
     if acc is None:
-        problems.append("no 'greedy accuracy: A -> B' line in the trainer log")
+        problems.append("summary.json has no eval_before/accuracy and eval_after/accuracy")
     else:
-        print(f"greedy accuracy: {acc[0]:.3f} -> {acc[1]:.3f}")
+        at = f" (measured at step {acc[2]})" if acc[2] else ""
+        print(f"greedy accuracy: {acc[0]:.3f}{at} -> {acc[1]:.3f}")
         if args.expect_accuracy and not acc[1] > acc[0]:
             problems.append(f"accuracy did not improve: {acc[0]:.3f} -> {acc[1]:.3f}")
+    log = args.log.read_text() if args.log else ""
     if args.expect_resume:
         pairs = resumes(log)
         print(f"trainer stops and resumes (stopped at step, resumed from step): {pairs}")
@@ -183,7 +182,8 @@ def check(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trained", type=Path, required=True, help="trained_prompts.jsonl")
-    p.add_argument("--log", type=Path, help="the trainer container's log")
+    p.add_argument("--summary", type=Path, required=True, help="the run's summary.json")
+    p.add_argument("--log", type=Path, help="the trainer container's log (stops and resumes)")
     p.add_argument("--metrics", type=Path, help="metrics.jsonl (re-dispatch count)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--prompts-per-step", type=int, required=True)

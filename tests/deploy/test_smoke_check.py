@@ -1,7 +1,9 @@
 """deploy/smoke_check.py, the checks `deploy/smoke.sh` runs on what a compose run left behind:
 it must pass a clean run and catch missing or repeated steps, short batches, idle samplers, a
-missing resume or accuracy line (lost or twice-trained prompts: `splitrl audit`, test_audit.py).
-The records here are shaped like the trainer's (``trained_prompts.jsonl``, JSON log lines)."""
+missing resume, an unfinished run or missing accuracy (lost or twice-trained prompts: `splitrl
+audit`, test_audit.py). The records here are shaped like the trainer's (``trained_prompts.jsonl``,
+``summary.json``, JSON log lines); that they are the trainer's is checked on a real run's files
+(tests/e2e/test_everyday.py)."""
 
 from __future__ import annotations
 
@@ -64,14 +66,13 @@ def test_resume_pairs_a_stop_with_the_next_start():
     assert smoke_check.resumes(crashed) == [(-1, 15)]
 
 
-def test_accuracy_is_the_last_line_the_trainer_printed():
-    log = _log(text="greedy accuracy: 0.040 -> 0.880\n")
-    assert smoke_check.accuracy(log) == (0.04, 0.88)
-    assert smoke_check.accuracy(_log()) is None
-    resumed = _log({"msg": "evaluation", "eval_before/accuracy": 0.08, "step": 0},
-                   {"msg": "resumed from checkpoint", "step": 20},
-                   text="greedy accuracy: nan -> 0.520\n")
-    assert smoke_check.accuracy(resumed) == (0.08, 0.52)
+def test_accuracy_is_read_from_the_summary_fields():
+    summary = {"eval_before/accuracy": 0.04, "eval_before/step": 0.0,
+               "eval_after/accuracy": 0.88, "state": "done", "step": 5.0}
+    assert smoke_check.accuracy(summary) == (0.04, 0.88, 0)
+    resumed = {**summary, "eval_before/accuracy": 0.5, "eval_before/step": 20.0}
+    assert smoke_check.accuracy(resumed) == (0.5, 0.88, 20)
+    assert smoke_check.accuracy({"state": "done", "step": 5.0}) is None
 
 
 def test_a_restarted_counter_is_summed_over_its_processes():
@@ -79,24 +80,34 @@ def test_a_restarted_counter_is_summed_over_its_processes():
     assert smoke_check.restarted_total([]) == 0
 
 
+DONE = {"state": "done", "step": 5.0, "total_steps": 5.0, "eval_before/step": 0.0}
+
+
 @pytest.fixture
 def run_files(tmp_path):
-    def write(records, log_text, samplers_tsv):
+    def write(records, log_text, samplers_tsv, summary):
         trained = tmp_path / "trained_prompts.jsonl"
         trained.write_text("".join(json.dumps(r) + "\n" for r in records))
         log = tmp_path / "trainer.log"
         log.write_text(log_text)
         tsv = tmp_path / "samplers.tsv"
         tsv.write_text(samplers_tsv)
+        summary_file = tmp_path / "summary.json"
+        summary_file.write_text(json.dumps(summary))
         return ["--trained", str(trained), "--log", str(log), "--samplers", str(tsv),
-                "--steps", "5", "--prompts-per-step", str(PER_STEP)]
+                "--summary", str(summary_file), "--steps", "5", "--prompts-per-step",
+                str(PER_STEP)]
 
     return write
 
 
+def _accuracy(before, after):
+    return {**DONE, "eval_before/accuracy": before, "eval_after/accuracy": after}
+
+
 def test_the_command_fails_when_an_expected_sampler_got_no_work(run_files, capsys):
     tsv = "/p-sampler-1\t10.0.0.2\n/p-sampler-2\t10.0.0.3\n/p-sampler-3\t10.0.0.4\n"
-    args = run_files(run_records(5), _log(text="greedy accuracy: 0.0 -> 0.5\n"), tsv)
+    args = run_files(run_records(5), _log(), tsv, _accuracy(0.0, 0.5))
     assert smoke_check.main([*args, "--expect-samplers", "3"]) == 1
     out = capsys.readouterr().out
     assert "samplers that got no work: ['p-sampler-3']" in out
@@ -105,13 +116,24 @@ def test_the_command_fails_when_an_expected_sampler_got_no_work(run_files, capsy
 
 def test_the_command_passes_a_clean_resumed_run_and_checks_accuracy(run_files, capsys):
     log = _log({"msg": "stopped; resume continues from this step", "step": 3},
-               {"msg": "resumed from checkpoint", "step": 3},
-               text="greedy accuracy: 0.100 -> 0.600\n")
-    args = run_files(run_records(5), log, "/p-sampler-1\t10.0.0.2\n/p-sampler-2\t10.0.0.3\n")
+               {"msg": "resumed from checkpoint", "step": 3})
+    args = run_files(run_records(5), log, "/p-sampler-1\t10.0.0.2\n/p-sampler-2\t10.0.0.3\n",
+                     {**_accuracy(0.1, 0.6), "eval_before/step": 3.0})
     assert smoke_check.main([*args, "--expect-samplers", "2", "--expect-resume",
                              "--expect-accuracy"]) == 0
-    assert "all checks passed" in capsys.readouterr().out
-    worse = run_files(run_records(5), _log(text="greedy accuracy: 0.5 -> 0.5\n"), "")
+    out = capsys.readouterr().out
+    assert "greedy accuracy: 0.100 (measured at step 3) -> 0.600" in out
+    assert "all checks passed" in out
+    worse = run_files(run_records(5), _log(), "", _accuracy(0.5, 0.5))
     assert smoke_check.main([*worse, "--expect-accuracy"]) == 1
-    no_resume = run_files(run_records(5), _log(text="greedy accuracy: 0.1 -> 0.5\n"), "")
+    no_resume = run_files(run_records(5), _log(), "", _accuracy(0.1, 0.5))
     assert smoke_check.main([*no_resume, "--expect-resume"]) == 1
+
+
+def test_a_run_that_did_not_finish_or_did_not_evaluate_fails(run_files, capsys):
+    stopped = run_files(run_records(5), _log(), "", {**_accuracy(0.1, 0.5), "state": "stopped"})
+    assert smoke_check.main(stopped) == 1
+    assert "state 'stopped' at step 5.0, expected 'done' at step 5" in capsys.readouterr().out
+    unevaluated = run_files(run_records(5), _log(), "", DONE)
+    assert smoke_check.main(unevaluated) == 1
+    assert "no eval_before/accuracy and eval_after/accuracy" in capsys.readouterr().out

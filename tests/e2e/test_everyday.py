@@ -131,6 +131,25 @@ def test_the_resumed_run_finishes_and_prints_its_start_and_final_accuracy(run):
     assert "trainer: training from step" in out  # the phase lines
 
 
+def test_the_compose_smoke_check_reads_what_this_trainer_wrote(run):
+    """deploy/smoke_check.py, run as `deploy/smoke.sh` runs it on a compose run's files, on this
+    real run's: a trainer that renames a summary field or a log message fails here, not only
+    on a Docker engine."""
+    summary = json.loads((run["dir"] / "summary.json").read_text())
+    check = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[2] / "deploy" / "smoke_check.py"),
+         "--trained", str(run["dir"] / "trained_prompts.jsonl"),
+         "--summary", str(run["dir"] / "summary.json"),
+         "--log", str(run["dir"] / "logs" / "trainer.log"),
+         "--steps", str(run["steps"]), "--prompts-per-step", "16", "--expect-resume"],
+        capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert (f"greedy accuracy: {summary['eval_before/accuracy']:.3f} (measured at step "
+            f"{run['stopped']}) -> {summary['eval_after/accuracy']:.3f}") in check.stdout
+    assert (f"(stopped at step, resumed from step): [({run['stopped']}, {run['stopped']})]"
+            in check.stdout)
+
+
 def test_trackers_and_prometheus_ports_of_a_real_run(run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
