@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from splitrl import plan_command
 from splitrl.config import AuthConfig, Config, ConfigError, dump_config, load_config
+from splitrl.platforms import prefer_cpu_without_tpu
 from splitrl.user_code import add_config_dir
 
 
@@ -381,6 +382,7 @@ NO_TEARDOWN = frozenset({"trainer", "sampler", "up", "demo"})
 def entry() -> None:
     """The ``splitrl`` executable and ``python -m splitrl`` (the launcher starts services so).
     In-process callers use :func:`main`, which returns."""
+    prefer_cpu_without_tpu()  # before anything imports jax: no TPU probe noise on a CPU machine
     args = _parse(build_parser(), None)
     code = _run(args)
     if args.command in NO_TEARDOWN:

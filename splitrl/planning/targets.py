@@ -18,11 +18,13 @@ per-chip figures below, or ``--hbm-gib``.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import math
 import os
 import re
 
 import jax
+
+from splitrl.platforms import libtpu_installed, tpu_attached
 
 GIB = 1024**3
 
@@ -71,10 +73,6 @@ class Target:
     def describe(self) -> str:
         return f"{self.name} ({len(self.devices)} x {self.device_kind}, " \
                f"{self.hbm_bytes / GIB:.1f} GiB each)"
-
-
-def libtpu_installed() -> bool:
-    return importlib.util.find_spec("libtpu") is not None
 
 
 def topology_name(name: str) -> str:
@@ -145,6 +143,7 @@ def tpu_target(name: str, hbm_bytes: int | None = None) -> Target:
     from jax.experimental import topologies
 
     topology = topology_name(name)
+    _compile_only_environment(topology)
     try:
         devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     except Exception as e:  # libtpu names the problem (unknown generation, bad shape)
@@ -156,6 +155,31 @@ def tpu_target(name: str, hbm_bytes: int | None = None) -> Target:
                             f"with --hbm-gib")
         hbm_bytes = HBM_BYTES[kind]
     return Target(name=name, devices=tuple(devices), hbm_bytes=int(hbm_bytes))
+
+
+def accelerator_type(topology: str) -> str | None:
+    """The Cloud TPU accelerator type of a topology (``v5e:2x2`` -> ``v5litepod-4``), None if
+    it is not one of the known generations. The inverse of :func:`topology_name`."""
+    generation, _, shape = topology.partition(":")
+    prefixes = [(prefix, cores_per_chip) for prefix, (gen, cores_per_chip)
+                in _ACCELERATOR_TYPES.items() if gen == generation]  # v5e: v5litepod first
+    if not prefixes or not re.fullmatch(r"\d+(x\d+)*", shape):
+        return None
+    prefix, cores_per_chip = prefixes[0]
+    return f"{prefix}-{math.prod(int(d) for d in shape.split('x')) * cores_per_chip}"
+
+
+def _compile_only_environment(topology: str) -> None:
+    """On a machine without TPU chips, tell libtpu which slice it is (the first one planned)
+    and that its only worker is this host: looking for them in the metadata server of a TPU
+    VM, it prints ``E0000 ... INVALID_ARGUMENT`` and "could not determine TPU accelerator
+    type" lines that read like a failure. Compiling for a topology needs neither."""
+    if tpu_attached():
+        return
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    kind = accelerator_type(topology)
+    if kind is not None:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", kind)
 
 
 def cpu_target(memory_bytes: int | None = None) -> Target:
