@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# What `make demo` needs: SplitRL and its dependencies (no torch, libtpu or test tools).
+DEMO_STAMP := $(VENV)/.installed-demo
+# What `make test` (and lint, protos, bench) needs on top: the `test` extra.
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -14,13 +17,19 @@ PROTOS := $(wildcard protos/splitrl/v1/*.proto)
 
 .PHONY: demo test test-fast lint protos bench clean compose-smoke
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP) $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/splitrl demo
 
 # Two pytest-xdist workers, a test module at a time each (a module's tests stay together, in
