@@ -78,8 +78,11 @@ def check_resume(cfg: Config, meta: dict[str, Any], where: str) -> None:
         return
     lines = [f"  {key}: {old!r} -> {new!r}" for key, old, new in differences]
     if cfg.trainer.resume == "force":
-        log.warning("resuming with a different config (trainer.resume=force)",
-                    extra={"step": step, "differences": [line.strip() for line in lines]})
+        changed = "; ".join(line.strip() for line in lines)
+        log.warning(f"resuming {where} from step {step} with a different config "
+                    f"(trainer.resume=force): {changed}",
+                    extra={"step": step, "differences": [line.strip() for line in lines],
+                           "console": True})  # on splitrl up's console, not only in the log
         return
     raise ResumeRefused(
         f"{where} holds a checkpoint at step {step} of a run with a different config:\n"
@@ -93,6 +96,8 @@ def resume_problem(cfg: Config) -> str | None:
     checkpoint), checked before any service starts."""
     from pathlib import Path
 
+    if cfg.trainer.resume == "force":
+        return None  # nothing is refused; the trainer lists what changed when it resumes
     ckpt_cfg = cfg.trainer.checkpoint
     directory = Path(ckpt_cfg.dir or Path(cfg.trainer.run_dir) / "checkpoints")
     if not directory.is_dir():

@@ -407,6 +407,8 @@ class TrainerRun:
         self.resumed_from = ckpt.step
         self.learner.load_train_state(ckpt.state, ckpt.step)
         self.step, self.version = ckpt.step, ckpt.weight_version
+        # Status says the resumed step from now on, not 0 until the first new step is done.
+        self.status.step, self.status.version = self.step, self.version
         if not self.hosts.is_leader:
             return  # the data cursor is the leader's
         self.queue.set_version(self.version)

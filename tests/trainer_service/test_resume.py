@@ -35,9 +35,17 @@ def test_a_changed_config_is_refused_naming_the_keys_unless_forced():
     assert "  algorithm.loss: 'grpo' -> 'gspo'\n" in message
     assert "  reward.functions: [{'name': 'math_accuracy'" in message
     assert "--resume force (trainer.resume=force)" in message
-    check_resume(load_config(None, ["algorithm.loss=gspo", "trainer.resume=force"]), _meta(),
-                 "runs/x")
     check_resume(load_config(None, ["trainer.steps=7"]), _meta(), "runs/x")
+
+
+def test_a_forced_resume_lists_what_changed_on_the_console(caplog):
+    check_resume(load_config(None, ["algorithm.loss=gspo", "trainer.optimizer.lr=0.002",
+                                    "trainer.resume=force"]), _meta(), "runs/x")
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "resuming runs/x from step 50 with a different config (trainer.resume=force): "
+        "algorithm.loss: 'grpo' -> 'gspo'; trainer.optimizer.lr: 0.001 -> 0.002")
+    assert record.console is True  # splitrl up shows the trainer's console lines
 
 
 def test_a_config_saved_before_a_key_existed_reads_it_as_its_default():
