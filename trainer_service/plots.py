@@ -57,8 +57,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     records = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
+    omit = {"staleness"} if synchronous(run_dir, records) else set()
     panels = [(n, [k for k in keys if any(k in r for r in records)], label)
-              for n, keys, label in PANELS]
+              for n, keys, label in PANELS if n not in omit]
     panels = [p for p in panels if p[1]]
     if not panels:
         return []
@@ -98,9 +99,25 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     return written
 
 
+def synchronous(run_dir: str | Path, records: list[dict]) -> bool:
+    """Whether the run trained on-policy (``trainer.max_staleness: 0``, from the run's
+    config.yaml; without one, whether no group was ever behind): its staleness is 0 at every
+    step, and a panel of zeros says nothing."""
+    config = Path(run_dir) / "config.yaml"
+    if config.is_file():
+        import yaml
+
+        trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer") or {}
+        if "max_staleness" in trainer:
+            return trainer["max_staleness"] == 0
+    return not any(r.get(k) for r in records for k in ("staleness/mean", "staleness/max"))
+
+
 def _draw(ax, records: list[dict], keys: list[str], label: str) -> None:
     """One panel. Evaluations (a few points: before, every N steps, after) are drawn as
     markers, so a single before or after point is visible."""
+    from matplotlib.ticker import MaxNLocator
+
     for key in keys:
         points = [(r["step"], r[key]) for r in records if key in r]
         xs, ys = zip(*points, strict=True)
@@ -111,6 +128,7 @@ def _draw(ax, records: list[dict], keys: list[str], label: str) -> None:
             ax.plot(xs, ys, label=key)
     ax.set_title(label)
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: never 0.5
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
 

@@ -43,3 +43,33 @@ def test_single_evaluation_points_are_drawn_not_only_listed_in_the_legend():
         assert lines[key].get_marker() == "o" and lines[key].get_markersize() > 0
     assert lines["accuracy/mean"].get_linestyle() == "-"
     plt.close(fig)
+
+
+def test_a_two_step_run_gets_integer_step_ticks():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer_service.plots import _draw
+
+    fig, ax = plt.subplots()
+    _draw(ax, [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}], ["loss"], "loss")
+    fig.canvas.draw()
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    plt.close(fig)
+
+
+def test_a_synchronous_run_has_no_staleness_panel(tmp_path):
+    from trainer_service.plots import plot_run
+
+    records = [{"step": s, "reward/mean": s / 10, "staleness/mean": 0.0, "staleness/max": 0.0}
+               for s in range(1, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    names = lambda: {p.name for p in plot_run(tmp_path)}  # noqa: E731
+    assert "staleness.png" not in names()  # no config: staleness was 0 at every step
+    (tmp_path / "config.yaml").write_text("trainer:\n  max_staleness: 2\n")
+    assert "staleness.png" in names()  # asynchronous: zeros say the samplers kept up
+    (tmp_path / "config.yaml").write_text("trainer:\n  max_staleness: 0\n")
+    assert "staleness.png" not in names()
