@@ -317,6 +317,8 @@ class TrainerRun:
         staleness = [self.version - g.weight_version for g in groups]
         out.update({
             "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/min": float(rewards.min()),
             "reward/max": float(rewards.max()),
             "staleness/mean": float(np.mean(staleness)),
             "staleness/max": float(np.max(staleness)),

@@ -412,6 +412,8 @@ class Learner:
         )
 
     def _batch_metrics(self, batch: TrainBatch, completion_mask) -> dict[str, float]:
+        """The batch's advantages and token counts. Rewards and completion lengths are the
+        run's (``reward/*``, ``completion_len/mean``, from the same groups): one name each."""
         a = np.asarray(batch.advantages, np.float64)
         lengths = completion_mask.sum(-1)
         out = {
@@ -419,12 +421,7 @@ class Learner:
             "advantage_min": a.min(), "advantage_max": a.max(),
             "tokens": float(lengths.sum()),
             "sequences": float(len(a)),
-            "completion_length_mean": float(lengths.mean()),
         }
-        if batch.rewards is not None:
-            r = np.asarray(batch.rewards, np.float64)
-            out.update(reward_mean=r.mean(), reward_std=r.std(), reward_min=r.min(),
-                       reward_max=r.max())
         return {k: float(v) for k, v in out.items()}
 
     # ------------------------------------------------------------------ state access
