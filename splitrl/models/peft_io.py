@@ -56,6 +56,16 @@ def peft_target_modules(config: TransformerConfig, spec: LoraSpec) -> list[str]:
     return list(spec.targets)
 
 
+def base_model_reference(base_model: str | os.PathLike | None) -> str | None:
+    """``base_model_name_or_path`` for an adapter: a local directory's absolute path, else the
+    name as given (a hub id). A relative path would send ``AutoPeftModelForCausalLM``, run
+    from any other directory, to the hub for a repo of that name."""
+    if base_model is None:
+        return None
+    local = Path(base_model).expanduser()
+    return str(local.resolve()) if local.is_dir() else str(base_model)
+
+
 def save_adapter(spec: LoraSpec, adapters: Mapping[str, jax.Array | np.ndarray],
                  out_dir: str | os.PathLike, *, config: TransformerConfig,
                  base_model: str | None = None) -> Path:
@@ -71,7 +81,7 @@ def save_adapter(spec: LoraSpec, adapters: Mapping[str, jax.Array | np.ndarray],
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
+        "base_model_name_or_path": base_model_reference(base_model),
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,

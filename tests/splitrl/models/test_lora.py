@@ -97,6 +97,28 @@ def test_peft_on_transformers_matches_our_forward_and_the_merged_export(checkpoi
     assert np.abs(peft_logits - merged_logits)[real].max() < 1e-4
 
 
+def test_the_adapter_names_its_base_so_peft_finds_it_from_any_directory(checkpoint, tmp_path,
+                                                                       monkeypatch):
+    """A relative model.path is written as an absolute one (AutoPeftModelForCausalLM, run
+    elsewhere, went to the hub for a repo named like the relative path); a hub id stays."""
+    import peft
+
+    model = from_pretrained(checkpoint)
+    spec = lora_lib.LoraSpec(2, 4.0, lora_lib.resolve_targets(model.config, PROJECTIONS))
+    adapters = _random_adapters(model.config, spec)
+    monkeypatch.chdir(checkpoint.parent)
+    save_adapter(spec, adapters, tmp_path / "adapter", config=model.config, base_model="base")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == str(checkpoint.resolve())
+    monkeypatch.chdir(tmp_path)
+    loaded = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter")
+    assert loaded.base_model.model.config.hidden_size == model.config.hidden_size
+    save_adapter(spec, adapters, tmp_path / "hub", config=model.config,
+                 base_model="Qwen/Qwen2.5-0.5B-Instruct")
+    written = json.loads((tmp_path / "hub" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
 def test_an_adapter_peft_saved_loads_as_the_starting_point(checkpoint, tmp_path):
     import peft
     import torch
