@@ -383,6 +383,9 @@ def entry() -> None:
     """The ``splitrl`` executable and ``python -m splitrl`` (the launcher starts services so).
     In-process callers use :func:`main`, which returns."""
     prefer_cpu_without_tpu()  # before anything imports jax: no TPU probe noise on a CPU machine
+    # SplitRL runs its models in JAX: transformers' "PyTorch was not found. Models won't be
+    # available" advice (`make demo` installs no torch) is about models it never asks for.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     args = _parse(build_parser(), None)
     code = _run(args)
     if args.command in NO_TEARDOWN:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,27 @@ def encode_prompt(tokenizer, text: str | None = None, messages: Sequence[dict] |
 def encode_rendered(tokenizer, rendered: str) -> list[int]:
     """Token ids of a prompt already rendered by `render_prompt`."""
     return list(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+def lost_characters(tokenizer, texts: Sequence[str]) -> list[Counter]:
+    """Per text, the characters the tokenizer loses on the way to token ids: those missing
+    from ``decode(encode(text))`` (a vocabulary without them: transformers' Qwen2 tokenizer
+    drops them, a `tokenizers` one maps them to ``<unk>``). Whitespace is not counted (decoders
+    may clean spaces up). Empty for a byte-level BPE, which encodes every string."""
+    import unicodedata
+
+    if not texts:
+        return []
+    texts = [unicodedata.normalize("NFC", t) for t in texts]
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    unk = tokenizer.unk_token_id  # decodes to "<unk>", whose letters would hide lost ones
+    decoded = tokenizer.batch_decode([[i for i in x if i != unk] for x in ids],
+                                     skip_special_tokens=False)
+    lost = []
+    for text, back in zip(texts, decoded, strict=True):
+        missing = Counter(text) - Counter(unicodedata.normalize("NFC", back))
+        lost.append(Counter({c: n for c, n in missing.items() if not c.isspace()}))
+    return lost
 
 
 def longest_token_chars(tokenizer) -> int:

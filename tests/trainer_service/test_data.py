@@ -112,3 +112,28 @@ def test_from_config_builtin_gsm8k_and_bad_eval_split(shared_data):
         PromptStream.from_config(DataConfig(task="math500", path=str(shared_data / "math500")))
     with pytest.raises(ValueError, match="data: task 'arithmetic' has no option 'path'"):
         PromptStream.from_config(DataConfig(task="arithmetic", path="x"))
+
+
+def test_prompts_the_tokenizer_cannot_encode_are_refused_with_what_is_lost(tmp_path):
+    """The demo's character vocabulary drops letters: "Tom has 3 apples and gets 3 more"
+    reached the model as "33", silently. A byte-level BPE encodes the same data."""
+    from splitrl.tokenizer import load_tokenizer, train_bpe_tokenizer, train_char_tokenizer
+
+    rows = [{"question": "Tom has 3 apples and gets 3 more", "answer": "6"},
+            {"question": "1+2=", "answer": "3"}, {"question": "2+2=", "answer": "4"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = DataConfig(task="files", path=str(tmp_path / "train.jsonl"), eval_split=None)
+    digits = load_tokenizer(train_char_tokenizer(["0123456789+="], tmp_path / "chars"))
+    with pytest.raises(ValueError) as refused:
+        PromptStream.from_config(config, tokenizer=digits)
+    assert ("cannot encode 14 distinct character(s) of the prompts and drops them: "
+            "'Tadeghlmnoprst'; 1 of 3 prompts would reach the model changed") in str(refused.value)
+    assert "'Tom has 3 apples and gets 3 more' is seen as '" in str(refused.value)
+    assert PromptStream.from_config(DataConfig(task="arithmetic"), tokenizer=digits)  # 1+2=
+    with pytest.raises(ValueError, match=r"(\d+) of \1 prompts would reach the model changed"):
+        # The chat template's own text ("user", "assistant") is lost for every prompt.
+        PromptStream.from_config(DataConfig(task="arithmetic", chat_template=True),
+                                 tokenizer=digits)
+    bpe = load_tokenizer(train_bpe_tokenizer(["1+2=3 apples"] * 4, tmp_path / "bpe",
+                                             vocab_size=300))
+    assert len(PromptStream.from_config(config, tokenizer=bpe).next_batch(3)) == 3

@@ -73,6 +73,49 @@ def format_row(row: Row, *, system_prompt: str | None = None,
     return out
 
 
+def check_encodable(splits: dict[str, Sequence[Row]], tokenizer, config: DataConfig) -> None:
+    """Refuse data the tokenizer cannot encode: a prompt whose characters the model would never
+    see (the demo's character vocabulary turns "Tom has 3 apples and gets 3 more" into "33")
+    trains on something other than the data, silently. ValueError naming the characters, how
+    many prompts they change and one example as the model would see it."""
+    from splitrl.tokenizer import lost_characters
+
+    texts, owners = [], []
+    for name, rows in splits.items():
+        for row in rows:
+            parts = ([row["prompt"]] if row.get("messages") is None
+                     else [m["content"] for m in row["messages"]])
+            texts += parts
+            owners += [(name, row["prompt_id"])] * len(parts)
+    extra = [config.system_prompt] if config.system_prompt else []
+    if rows_in := [r for rows in splits.values() for r in rows[:1]]:  # the template's own text
+        served = format_row(rows_in[0], system_prompt=config.system_prompt,
+                            chat_template=config.chat_template)
+        if served["messages"] is not None:
+            extra.append(render_prompt(tokenizer, None, served["messages"]))
+    texts += extra
+    owners += [("template", "system prompt / chat template")] * len(extra)
+    lost = lost_characters(tokenizer, texts)
+    changed = [i for i, missing in enumerate(lost) if missing]
+    if not changed:
+        return
+    chars = "".join(sorted(set().union(*(lost[i] for i in changed))))
+    first = changed[0]
+    seen = tokenizer.decode(tokenizer(texts[first], add_special_tokens=False)["input_ids"],
+                            skip_special_tokens=False)
+    total = sum(len(r) for r in splits.values())
+    prompts = (total if any(owners[i][0] == "template" for i in changed)
+               else len({owners[i] for i in changed}))
+    raise ValueError(
+        f"data: the model's tokenizer cannot encode {len(chars)} distinct character(s) of the "
+        f"prompts and drops them: {chars!r}; {prompts} of {total} prompts would reach the "
+        f"model changed, e.g. "
+        f"{owners[first][1]} ({owners[first][0]}): {texts[first][:80]!r} is seen as "
+        f"{seen[:80]!r}. Use a model whose tokenizer covers the data (`splitrl init-model DIR "
+        f"--vocab default` writes one with a byte-level BPE that encodes any text) or change "
+        f"the data")
+
+
 class PromptStream:
     """Seeded, epoch-shuffled prompt batches with a resumable cursor, plus evaluation rows."""
 
@@ -123,6 +166,8 @@ class PromptStream:
         splits = {"train": task.rows(config.split)}
         if config.eval_split is not None:
             splits["eval"] = task.rows(config.eval_split)
+        if tokenizer is not None:
+            check_encodable(splits, tokenizer, config)
         reports = {}
         if tokenizer is not None and max_prompt_tokens is not None:
             count = token_counter(tokenizer, lambda row: format_row(
