@@ -44,7 +44,7 @@ from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained, param_shapes
 from splitrl.retry import wait_until
 from splitrl.serving import auth_metadata
-from splitrl.tokenizer import load_tokenizer
+from splitrl.tokenizer import decode, load_tokenizer
 from trainer_service.learning.batching import batch_length, build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer, SaveFailed
 from trainer_service.learning.export import export_adapter, export_hf
@@ -165,7 +165,9 @@ class TrainerRun:
         collected = self._holding = self._collect(self.cfg.trainer.prompts_per_step)
         t_rollouts = time.monotonic()
         if self.trackers.completions_due(self.step + 1):
-            self.trackers.completions(self.step + 1, collected.groups)
+            self.trackers.completions(  # prompts as the model saw them: their token ids
+                self.step + 1, collected.groups,
+                decode=lambda ids: decode(self.tokenizer, ids, skip_special_tokens=False))
         metrics = self._rollout_metrics(collected)
         try:  # failing reward functions: logged, counted, and past the policy the run stops
             metrics.update(self.reward_checks.observe(collected.groups))

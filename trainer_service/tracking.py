@@ -17,9 +17,9 @@ that asks for one that is not installed fails at start, naming the extra.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,8 +215,12 @@ class Trackers:
         return bool(self.trackers) and self.completions_every > 0 and (
             step % self.completions_every == 0)
 
-    def completions(self, step: int, groups) -> None:
-        """A table of the first completion of each group (at most ``MAX_TABLE_ROWS``)."""
+    def completions(self, step: int, groups,
+                    decode: Callable[[list[int]], str] | None = None) -> None:
+        """A table of the first completion of each group (at most ``MAX_TABLE_ROWS``). With
+        ``decode`` (token ids -> text, special tokens kept) the prompt is shown as the model
+        saw it: the prompt's token ids decoded, chat template and system prompt included, and
+        nothing the tokenizer dropped."""
         if not self.trackers or not groups:
             return
         functions = sorted({name for g in groups for c in g.completions for name in c.rewards})
@@ -224,7 +228,9 @@ class Trackers:
         rows = []
         for group in groups[:MAX_TABLE_ROWS]:
             row, completion = group.item.row, group.completions[0]
-            rows.append([step, _prompt_text(row), completion.text,
+            prompt = (decode(list(group.prompt_token_ids))
+                      if decode is not None and group.prompt_token_ids else _prompt_text(row))
+            rows.append([step, prompt, completion.text,
                          str(row.get("reference", "")), round(completion.reward, 4)]
                         + [round(completion.rewards.get(name, 0.0), 4) for name in functions])
         for tracker in self.trackers:
@@ -240,6 +246,8 @@ class Trackers:
 
 
 def _prompt_text(row: dict[str, Any]) -> str:
+    """A row's prompt when its token ids are not at hand: the text, or each message as
+    ``role: content`` on its own line."""
     if row.get("prompt") is not None:
         return str(row["prompt"])
-    return json.dumps(row.get("messages"), ensure_ascii=False)  # chat messages
+    return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in row.get("messages") or [])

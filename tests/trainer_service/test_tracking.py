@@ -101,6 +101,31 @@ def test_wandb_offline_run_is_read_by_wandbs_own_reader(tmp_path, monkeypatch):
     assert data["data"][1][1:3] == ["4+4=", "7|x"]
 
 
+def test_the_completions_table_shows_prompts_as_the_model_saw_them(tmp_path):
+    """A chat prompt is its token ids decoded (the chat template's rendering), not the JSON
+    of its messages."""
+    from splitrl.tokenizer import encode_prompt, load_tokenizer, train_bpe_tokenizer
+
+    tokenizer = load_tokenizer(train_bpe_tokenizer(["What is 1+2? user assistant"] * 4,
+                                                   tmp_path / "tok", vocab_size=300))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
+    [group, plain] = _groups()
+    group.item.row = {**group.item.row, "prompt": None, "messages": messages}
+    group.prompt_token_ids = encode_prompt(tokenizer, messages=messages)
+
+    class Recorder:
+        def table(self, step, columns, rows):
+            self.rows = rows
+
+    recorder = Recorder()
+    Trackers([recorder]).completions(
+        2, [group, plain], decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    assert recorder.rows[0][1] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                                   "1+2=<|im_end|>\n<|im_start|>assistant\n")
+    Trackers([recorder]).completions(2, [group])  # no tokenizer at hand: readable messages
+    assert recorder.rows[0][1] == "system: Be brief.\nuser: 1+2="
+
+
 def test_a_configured_tracker_that_is_not_installed_names_the_extra(monkeypatch):
     import importlib.util
 
