@@ -15,6 +15,7 @@ a plot or an audit for good, so:
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -72,10 +73,10 @@ class JsonlAppender:
         try:
             written = os.write(self._fd, data)
             if written != len(data):  # a short write: the disk filled up during it
-                raise OSError(28, os.strerror(28), str(self.path))
-        except OSError:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
             os.ftruncate(self._fd, size)  # never leave half a line behind
-            raise
+            raise OSError(e.errno, e.strerror, str(self.path)) from e
 
     def close(self) -> None:
         if self._fd >= 0:

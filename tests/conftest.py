@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,27 @@ def arith_model(tmp_path_factory) -> Path:
 
     return init_model(tmp_path_factory.mktemp("models") / "tiny-arith", family="qwen2",
                       preset="tiny", vocab="arithmetic", seed=0)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(size)``: a new tmpfs of ``size`` ("600k", "2m") under ``tmp_path``, a real
+    filesystem that fills up (ENOSPC where a write does not fit); unmounted after the test.
+    Mounting needs root: elsewhere the test is skipped with that reason."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        point = tmp_path / f"disk-{len(mounted)}"
+        point.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                               str(point)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)

@@ -186,7 +186,11 @@ def main(cfg: Config) -> int:
         maybe_initialize = None
     if maybe_initialize is not None:
         maybe_initialize(cfg)
-    from trainer_service.learning.checkpoints import NoIntactCheckpoint, SaveFailed
+    from trainer_service.learning.checkpoints import (
+        NoIntactCheckpoint,
+        SaveFailed,
+        storage_cause,
+    )
     from trainer_service.orchestration.evaluation import accuracy_line
     from trainer_service.orchestration.reward_checks import RewardFunctionFailed
     from trainer_service.run import TrainerRun
@@ -236,7 +240,8 @@ def main(cfg: Config) -> int:
     except SaveFailed:  # logged where it was caught, with the cause and the way out
         return 1
     except Exception as e:  # the root cause, as the console's "last errors" show it first
-        log.critical("trainer failed: %s: %s", type(e).__name__, e, exc_info=True)
+        cause = storage_cause(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        log.critical("trainer failed: %s", cause, exc_info=True)
         return 1
     finally:
         if bar is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -56,30 +55,13 @@ def test_the_reward_policy_stops_after_checkpointing_and_loses_nothing(arith_mod
     assert (report.trained, report.unfinished) == (16, 4)  # step 5's prompts: resumed first
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2 MiB tmpfs: one checkpoint of the tiny model fits, two do not."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_a_full_checkpoint_disk_stops_the_run_at_the_save_that_failed(arith_model, tmp_path,
                                                                       small_disk, capsys):
     """Issue 36, 3: the step-10 save failed in the background and the run trained on; now it
     stops at once, the console naming the cause. Then the run's only checkpoint is damaged:
     the next attempt says so (not asyncio's teardown) and shows no earlier success."""
     run_dir = tmp_path / "run"
-    checkpoints = small_disk / "checkpoints"
+    checkpoints = small_disk("2m") / "checkpoints"  # one checkpoint of the tiny model fits
     cfg = run_config(arith_model, run_dir, "trainer.steps=20", "trainer.checkpoint.every=5",
                      f"trainer.checkpoint.dir={checkpoints}", *SHORT)
     assert launcher.main(cfg) == 1

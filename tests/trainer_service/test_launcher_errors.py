@@ -13,6 +13,7 @@ import time
 import pytest
 
 from splitrl.config import load_config
+from splitrl.v1 import trainer_pb2
 from tests.fresh_python import python_prints
 from trainer_service import launcher
 from trainer_service.service_logs import LogFollower, error_lines
@@ -69,6 +70,14 @@ def test_an_earlier_attempts_errors_are_not_this_ones(tmp_path):
     follower = LogFollower({"reward": log}, {"reward": start})
     assert follower.new_errors() == ["[reward] this one",
                                      "[reward] resumed from step 10, not 15"]
+
+
+def test_the_bar_counts_the_trainers_samplers_ready_of_known():
+    """Issue 31's "samplers=3/2": the count came from the trainer's pool over the launcher's
+    own processes; both numbers are the trainer's now."""
+    status = trainer_pb2.StatusReply(samplers=[trainer_pb2.SamplerStatus(healthy=h)
+                                               for h in (True, True, False)])
+    assert launcher.sampler_count(status) == "2/3"
 
 
 def test_the_follower_reports_each_new_error_line_once(tmp_path):
@@ -184,6 +193,7 @@ def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(arith_model
 LAUNCHER_THEN_SLEEP = """
 import sys, time
 from splitrl.config import load_config
+from splitrl.v1 import trainer_pb2
 from trainer_service import launcher
 cfg = load_config(launcher.demo_config_path(), sys.argv[1:])
 up = launcher.Launcher(cfg)

@@ -88,7 +88,8 @@ def storage_cause(error: BaseException) -> str:
         seen.add(id(current))
         code = _errno(current)
         if code in _STORAGE_CAUSES:
-            return _STORAGE_CAUSES[code]
+            where = getattr(current, "filename", None)
+            return _STORAGE_CAUSES[code] + (f" writing {where}" if where else "")
         current = current.__cause__ or current.__context__
     return f"{type(error).__name__}: {str(error)[:300]}"
 
@@ -285,13 +286,16 @@ class Checkpointer:
 
     def restore_newest(
         self, abstract_state: Any, check_meta: Callable[[dict], None] = lambda meta: None,
+        *, move_aside: bool = True,
     ) -> tuple[Checkpoint, list[tuple[int, str]]]:
         """Restore the newest step that reads whole, verifying each from the newest down:
         ``check_meta`` sees its metadata first (an exception from it propagates: a checkpoint
         of another run is refused, not skipped). Unreadable steps are moved aside to
         ``<dir>.unreadable/`` so new saves and ``splitrl audit`` never read them again.
         Returns the checkpoint and the skipped ``(step, reason)``s, newest first;
-        :class:`NoIntactCheckpoint` when none reads (then nothing is moved)."""
+        :class:`NoIntactCheckpoint` when none reads (then nothing is moved). Several processes
+        restoring one checkpoint (multi-host) skip the same steps; only one (``move_aside``)
+        moves them."""
         skipped: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
             try:
@@ -305,7 +309,8 @@ class Checkpointer:
             except Exception as e:
                 skipped.append((step, _reason(e)))
                 continue
-            self._set_aside([s for s, _ in skipped])
+            if move_aside:
+                self._set_aside([s for s, _ in skipped])
             return checkpoint, skipped
         raise NoIntactCheckpoint(  # left in place: starting afresh is the user's decision
             f"no checkpoint in {self.directory} reads: "
