@@ -24,7 +24,7 @@ from tests.e2e.harness import (
     wait_exit,
     wait_for,
 )
-from trainer_service.launcher import Launcher
+from trainer_service.launcher import Launcher, free_port
 from trainer_service.launcher import main as launch
 from trainer_service.orchestration.audit import audit_run
 
@@ -50,11 +50,20 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
         # A sampler started mid-run registers itself, receives the weights, then gets work.
         # The trainer is paused while the newcomer starts (tens of seconds of imports and
         # compilation), so the run cannot end before it is up, however loaded the machine.
+        # Beside it, a sampler started by hand with another trainer.steps (issue 31, 2): it
+        # must be refused when it registers, naming the key, and never get work.
         trainer = launcher.procs["trainer"]
         trainer.send_signal(signal.SIGSTOP)
         try:
             newcomer = launcher.start_sampler(2)
+            stranger_port = free_port()
+            launcher.ports.append(stranger_port)  # released when the launch stops
+            stranger = f"127.0.0.1:{stranger_port}"
+            launcher.start("sampler-3", "sampler", [f"services.sampler_port={stranger_port}",
+                                                    "run_name=stranger", "trainer.steps=999"],
+                           cfg.sampler.mesh.devices_needed())
             launcher.wait_healthy("sampler-2", newcomer)
+            launcher.wait_healthy("sampler-3", stranger)
         finally:
             trainer.send_signal(signal.SIGCONT)
 
@@ -66,6 +75,13 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
             return any(s.address == newcomer and s.healthy for s in status.samplers) and status
 
         status = wait_for(newcomer_ready, 300, "the new sampler to be ready", launcher)
+        refusal = (f"sampler {stranger} refused: its settings differ from the trainer's (start "
+                   "it with the trainer's config and model): trainer.steps: trainer 150, "
+                   "sampler 999")
+        wait_for(lambda: refusal in (launcher.log_dir / "trainer.log").read_text(), 120,
+                 "the stranger's refusal", launcher)
+        assert "the trainer refused this sampler" in (
+            launcher.log_dir / "sampler-3.log").read_text()
         assert status.step < steps, "the run ended before the new sampler joined"
         assert not any(s.address == launcher.sampler_addresses[0] and s.healthy
                        for s in status.samplers), "the killed sampler is still listed healthy"
@@ -85,9 +101,11 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
     assert any(newcomer.endswith(s.rsplit(":", 1)[-1]) or s == newcomer for s in by_sampler), (
         f"the sampler started mid-run got no work: {by_sampler}"
     )
+    assert "stranger" not in by_sampler, by_sampler  # refused: never given a prompt
     trainer_log = log_records(launcher.log_dir / "trainer.log")
     assert any(r.get("msg") == "sampler dropped" for r in trainer_log)
     assert any(r.get("msg") == "sampler synced" and r.get("ok") and
+               r.get("served_before") == "the weights of its own model.path" and
                r.get("address", "").endswith(newcomer.rsplit(":", 1)[1]) for r in trainer_log)
 
 
