@@ -54,10 +54,18 @@ class LoraConfig(Section):
     """
 
     rank: PositiveInt | None = None
+    """Rank r of each adapter (null: the starting adapter's, else 16)."""
     alpha: PositiveFloat | None = None
+    """LoRA alpha: the update is scaled by alpha / rank (null: the starting adapter's, else 2 x
+    rank)."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' inputs in the trainer's forward, in [0, 1)."""
     target_modules: str | list[str] | None = None
+    """The Linear modules that get adapters: a regex matching a whole module name (PEFT's rule),
+    or a list of names or their last part (null: the starting adapter's, else every
+    attention and MLP projection)."""
     path: str | None = None
+    """A PEFT adapter directory to start from (null: fresh adapters, B = 0)."""
 
     def model_post_init(self, _context) -> None:
         if isinstance(self.target_modules, str):
@@ -94,16 +102,20 @@ class ModelSection(Section):
     """Which checkpoint the policy starts from (a local Hugging Face directory or a hub name)."""
 
     path: str = "models/tiny-arith"
+    """The policy's starting checkpoint: a local Hugging Face directory (config.json, safetensors,
+    tokenizer) or a hub id (read from the hub, or its cache when HF_HUB_OFFLINE is set)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    # The `transformers` tokenizer class the checkpoint's tokenizer loads with (e.g.
-    # Qwen2Tokenizer); null: AutoTokenizer chooses, which imports torch whenever torch is
-    # installed (~3 s of CPU per process). `splitrl up` pins the class AutoTokenizer chose in
-    # the launch config, so its services load exactly that class without torch.
+    """The dtype the trainer computes and keeps its weights in."""
     tokenizer_class: str | None = None
-    # Attention/logit chunking for the training path (tokens per chunk).
+    """The `transformers` tokenizer class the checkpoint's tokenizer loads with (e.g.
+    Qwen2Tokenizer); null: AutoTokenizer chooses, which imports torch whenever torch is
+    installed (seconds of CPU per process). `splitrl up` pins the class AutoTokenizer chose
+    in the launch config, so its services load exactly that class without torch."""
     logprob_chunk_size: PositiveInt = 256
-    # LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on.
+    """Tokens per chunk when the trainer computes log-probabilities over the vocabulary (bounds the
+    logits held at once)."""
     lora: LoraConfig | None = None
+    """LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on."""
 
 
 class MeshConfig(Section):
@@ -116,10 +128,14 @@ class MeshConfig(Section):
     """
 
     axes: dict[str, int] = Field(default_factory=lambda: {"fsdp": -1})
+    """Mesh axes and their sizes, e.g. {fsdp: 4} or {data: 1, tensor: 2}; one size may be -1 (all
+    selected devices)."""
     device_fraction: float = 1.0
+    """The fraction of the host's devices this service takes, in (0, 1]."""
     device_offset: NonNegativeInt = 0
-    # How parameters are laid out on the mesh: "fsdp", "tp" (tensor parallel), "replicated".
+    """The index of the first device this service takes."""
     strategy: Literal["fsdp", "tp", "replicated"] = "fsdp"
+    """How parameters are laid out on the mesh: "fsdp", "tp" (tensor parallel), "replicated"."""
 
     def model_post_init(self, _context) -> None:
         if not self.axes:
@@ -148,13 +164,19 @@ class SamplingConfig(Section):
     distribution (before top-k/top-p truncation), which the trainer reproduces exactly."""
 
     temperature: NonNegativeFloat = 1.0
+    """Sampling temperature: 0 is greedy; otherwise at least 1e-5."""
     top_k: NonNegativeInt = 0
+    """Sample among the k most likely tokens (0: no top-k truncation)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens with this much probability, in (0, 1] (1: no
+    truncation)."""
     max_new_tokens: PositiveInt = 8
+    """The most tokens generated per completion."""
     stop_token_ids: list[int] = Field(default_factory=list)
-    # Seed of requests whose prompts carry no seed of their own (Generate, evaluation tools).
-    # Training rollouts draw their noise from trainer.seed and each prompt's uid.
+    """Token ids that end a completion besides the tokenizer's EOS."""
     seed: int = 0
+    """Seed of requests whose prompts carry no seed of their own (Generate, evaluation tools).
+    Training rollouts draw their noise from trainer.seed and each prompt's uid."""
 
     def model_post_init(self, _context) -> None:
         check_temperature("sampling.temperature", self.temperature)
@@ -166,33 +188,44 @@ class RewardFunctionConfig(Section):
     """One reward function: a built-in name or ``module:function``, its weight and options."""
 
     name: str = "math_accuracy"
+    """A built-in reward function (splitrl list rewards) or module:function, the module found beside
+    the config file, in the current directory or installed."""
     weight: float = 1.0
+    """The function's weight in a completion's total reward."""
     timeout_s: float | None = None
+    """Time limit of one call (one prompt's group), in seconds (null: reward.timeout_s)."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the function (a built-in's options: splitrl list rewards)."""
 
 
 class RewardConfig(Section):
     functions: list[RewardFunctionConfig] = Field(
         default_factory=lambda: [RewardFunctionConfig()]
     )
+    """The reward functions; a completion's reward is their weighted sum."""
     workers: PositiveInt = 2
+    """Scoring worker processes of the reward service."""
     timeout_s: PositiveFloat = 5.0
+    """Default time limit of one reward function call, in seconds."""
     max_items_per_request: int = 4096
+    """The most completions one Score request may carry."""
     max_request_bytes: int = 64 * 1024 * 1024
-    # A worker whose item overruns its time limit by this much is killed and replaced.
+    """The largest Score request accepted, in bytes."""
     kill_grace_s: PositiveFloat = 0.5
-    # Address-space limit per scoring worker (MiB; None = unlimited): a runaway computation
-    # fails with MemoryError instead of exhausting the host.
+    """A worker whose item overruns its time limit by this much is killed and replaced."""
     worker_memory_mb: PositiveInt | None = 4096
-    # The function whose score measures correctness: evaluation accuracy and the training
-    # accuracy/mean metric are its mean score. None: the first of ``functions``.
+    """Address-space limit per scoring worker (MiB; None = unlimited): a runaway computation fails
+    with MemoryError instead of exhausting the host."""
     accuracy_function: str | None = None
-    # The trainer's error policy (docs/rewards.md): the run stops when a function fails (raises,
-    # returns the wrong number of scores or a non-number, times out) on more than this fraction
-    # of a step's completions; on the run's first batch, errors are held to
-    # first_batch_max_error_fraction (0: any error stops the run before it trains on it).
+    """The function whose score measures correctness: evaluation accuracy and the training
+    accuracy/mean metric are its mean score. None: the first of ``functions``."""
     max_error_fraction: float = 0.1
+    """The trainer's error policy (docs/rewards.md): the run stops when a function fails (raises,
+    returns the wrong number of scores or a non-number, times out) on more than this fraction
+    of a step's completions (1: never stop)."""
     first_batch_max_error_fraction: float = 0.0
+    """The error policy on the run's first batch (0: any error stops the run before it trains on
+    it)."""
 
     def model_post_init(self, _context) -> None:
         names = [f.name for f in self.functions]
@@ -212,28 +245,52 @@ class AlgorithmConfig(Section):
     key set next to it overrides the recipe's value."""
 
     recipe: Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token"] | None = None
+    """A paper's combination of the switches below (grpo, dr_grpo, dapo, gspo, gspo_token;
+    docs/algorithms.md); keys set beside it override it."""
     loss: Literal["grpo", "gspo", "gspo-token"] = "grpo"
+    """The policy loss: grpo (token-level clipped ratio), gspo (sequence-level ratio) or gspo-
+    token."""
     advantage: Literal["grpo", "drgrpo", "rloo"] = "grpo"
+    """The advantage estimator: grpo (group-normalised), drgrpo (group mean only) or rloo (leave-
+    one-out baseline)."""
     advantage_std: Literal["group", "batch"] = "group"
+    """What the advantage's standard deviation is taken over: each prompt's group, or the whole
+    batch."""
     aggregation: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"
     ] = "token-mean"
+    """How per-token losses become one number: token-mean, seq-mean-token-mean, seq-mean-token-
+    sum or constant (Dr.GRPO: divided by constant_normalizer)."""
     constant_normalizer: PositiveInt | None = None
-    # None = the loss's paper default (0.2/0.2 for grpo, 3e-4/4e-4 for gspo).
+    """The token count that aggregation 'constant' divides by (null: sampling.max_new_tokens)."""
     eps_low: NonNegativeFloat | None = None
+    """Lower clip range of the importance ratio (null: the loss's paper default, 0.2 for grpo, 3e-4
+    for gspo)."""
     eps_high: NonNegativeFloat | None = None
+    """Upper clip range of the importance ratio (null: the loss's paper default, 0.2 for grpo, 4e-4
+    for gspo; DAPO raises it)."""
     dual_clip: float | None = None
+    """Dual-clip bound c > 1 on negative-advantage ratios (null: off)."""
     beta: NonNegativeFloat = 0.0
+    """Weight of the KL penalty to the starting policy (0: no reference model)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """The KL estimator for beta > 0: k1, k2 or k3 (Schulman's)."""
     tis_cap: PositiveFloat | None = 2.0
+    """Truncated importance sampling against the sampler's logprobs: the weight's cap (null:
+    off)."""
     logratio_clamp: PositiveFloat = 20.0
-    # DAPO's dynamic sampling: groups whose rewards are all equal are not trained on; the
-    # trainer draws more prompts until a step has prompts_per_step groups with signal, at most
-    # max_extra_draws more per step (None: 3 x prompts_per_step), then trains on what it has.
+    """Every log-ratio is clamped to [-clamp, clamp] before exp, so one outlier token cannot
+    overflow."""
     filter_zero_variance: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal are not trained on, and more
+    prompts are drawn until a step has prompts_per_step groups with signal."""
     max_extra_draws: NonNegativeInt | None = None
+    """With filter_zero_variance: the most extra prompts drawn per step (null: 3 x
+    prompts_per_step); then the step trains on what it has."""
     entropy_coef: float = 0.0
+    """Weight of an entropy bonus in the loss (0: none)."""
     group_size: PositiveInt = 16
+    """Completions sampled per prompt (G): the group advantages are computed over."""
 
     @model_validator(mode="before")
     @classmethod
@@ -247,21 +304,35 @@ class AlgorithmConfig(Section):
 
 class OptimizerConfig(Section):
     lr: PositiveFloat = 1e-3
+    """Peak learning rate (AdamW)."""
     schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up: constant, linear or cosine decay to 0 at
+    total_steps."""
     warmup_steps: NonNegativeInt = 0
+    """Steps of linear warm-up from 0 to lr."""
     total_steps: int | None = None
+    """The step the linear or cosine schedule reaches 0 at (needed by those schedules)."""
     b1: float = 0.9
+    """AdamW's first-moment decay."""
     b2: float = 0.999
+    """AdamW's second-moment decay."""
     eps: float = 1e-8
+    """AdamW's epsilon."""
     weight_decay: NonNegativeFloat = 0.0
+    """AdamW's decoupled weight decay."""
     max_grad_norm: float | None = 1.0
+    """Clip gradients to this global norm (null: no clipping)."""
 
 
 class CheckpointConfig(Section):
-    dir: str | None = None  # default: <run_dir>/checkpoints
+    dir: str | None = None
+    """Where checkpoints go (null: <run_dir>/checkpoints)."""
     every: PositiveInt = 10
+    """Save a checkpoint every N steps (and at the end of the run)."""
     keep: PositiveInt = 2
+    """How many of the newest checkpoints are kept."""
     async_save: bool = True
+    """Write checkpoints in the background while training goes on."""
 
 
 class DataConfig(Section):
@@ -276,19 +347,37 @@ class DataConfig(Section):
     """
 
     task: str = "arithmetic"
+    """Where prompts come from: a built-in task (arithmetic, gsm8k, math500; splitrl list tasks) or
+    files (local json/jsonl/parquet/csv, or a hub dataset)."""
     path: str | None = None
+    """The data's file, directory or hub dataset name (null: the task's default)."""
     split: str = "train"
+    """The split trained on."""
     eval_split: str | None = "test"
+    """The split evaluated on (greedy accuracy before, during and after training; null: none)."""
     prompt_field: str = "question"
+    """With task files: the column holding the prompt."""
     answer_field: str = "answer"
+    """With task files: the column holding the reference answer."""
     system_prompt: str | None = None
+    """A system prompt put before every prompt (a system message with chat_template)."""
     chat_template: bool = False
+    """Render plain-text prompts as a user message through the tokenizer's chat template."""
     shuffle_seed: int = 0
+    """Seed of the per-epoch shuffle of the training rows."""
     epochs: int | None = None
+    """Passes over the training rows (null: the stream never ends; the run stops at
+    trainer.steps)."""
     eval_size: int | None = None
+    """Evaluate on the first N rows of eval_split (null: all of them)."""
     options: dict[str, Any] = Field(default_factory=dict)
+    """The task's own options (splitrl list tasks)."""
     max_prompt_tokens: PositiveInt | None = None
+    """The longest prompt in tokens, as the sampler encodes it (null: sampler.max_sequence_length -
+    sampling.max_new_tokens)."""
     long_prompt_policy: Literal["drop", "truncate_left", "error"] = "drop"
+    """What happens to longer prompts when the data is loaded: drop, truncate_left (the start of the
+    prompt's text goes) or error."""
 
 
 class DistributedConfig(Section):
@@ -299,11 +388,15 @@ class DistributedConfig(Section):
     indexed Job), and on a multi-host Cloud TPU slice JAX finds coordinator and ranks by itself.
     """
 
-    # "host:port" of process 0, e.g. trainer-0.trainer-workers:8476 in an indexed Job.
     coordinator_address: str | None = None
+    """host:port of process 0, e.g. trainer-0.trainer-workers:8476 in an indexed Job (null:
+    detected)."""
     num_processes: PositiveInt | None = None
+    """The number of trainer processes (null: detected)."""
     process_id: NonNegativeInt | None = None
+    """This process's rank (null: JOB_COMPLETION_INDEX, or detected on a TPU slice)."""
     initialization_timeout_s: PositiveInt = 300
+    """How long jax.distributed.initialize waits for every process, in seconds."""
 
     def model_post_init(self, _context) -> None:
         if (
@@ -327,60 +420,79 @@ class DistributedConfig(Section):
 class PushConfig(Section):
     """How the trainer sends its weights to the samplers (docs/weight-sync.md)."""
 
-    # "bulk": the data plane of every sampler that offers one (GetInfo.data_address), gRPC
-    # PushWeights for any other; "grpc": PushWeights only.
     transport: Literal["bulk", "grpc"] = "bulk"
-    # Samplers with the same layout form one chain that relays the push, so the trainer sends
-    # each byte once however many samplers there are (bulk transport).
+    """"bulk": the data plane of every sampler that offers one (GetInfo.data_address), gRPC
+    PushWeights for any other; "grpc": PushWeights only."""
     relay: bool = True
-    # Send only the elements that changed since the version a sampler holds, chunk by chunk
-    # when that is smaller (bulk transport; the trainer keeps a host copy of the last push).
+    """Samplers with the same layout form one chain that relays the push, so the trainer sends each
+    byte once however many samplers there are (bulk transport)."""
     delta: bool = True
-    # One push, from the first byte to the last sampler's final report.
+    """Send only the elements that changed since the version a sampler holds, chunk by chunk when
+    that is smaller (bulk transport; the trainer keeps a host copy of the last push)."""
     timeout_s: PositiveFloat = 300.0
-    # A data-plane peer that says nothing for this long has failed.
+    """One push, from the first byte to the last sampler's final report."""
     idle_timeout_s: PositiveFloat = 30.0
-    # Once one sampler has a push, the trainer waits this long for the others and goes on; a
-    # slow or stopped sampler's push finishes (or fails) in the background, and it gets work
-    # again once it holds recent enough weights.
+    """A data-plane peer that says nothing for this long has failed."""
     straggler_wait_s: PositiveFloat = 10.0
+    """Once one sampler has a push, the trainer waits this long for the others and goes on; a
+    slow or stopped sampler's push finishes (or fails) in the background, and it gets work
+    again once it holds recent enough weights."""
 
 
 class TrainerConfig(Section):
     steps: NonNegativeInt = 100
+    """Training steps (optimizer updates) of the run."""
     prompts_per_step: PositiveInt = 16
+    """Prompts per step; each gets algorithm.group_size completions."""
     micro_batch_size: PositiveInt | None = None
+    """Completions per forward/backward pass; gradients add up over a step's micro-batches (null:
+    the whole batch at once)."""
     epochs_per_batch: PositiveInt = 1
+    """Optimizer updates per batch of rollouts (PPO epochs); later ones are measured against the
+    first."""
     max_staleness: NonNegativeInt = 0
-    # Prompts per Rollout request. In a synchronous run (max_staleness 0) a step's prompts are
-    # cut into requests of this size in draw order, so the run is the same whichever sampler
-    # answers first and however many samplers there are. None: half a step, at most one
-    # sampler batch (sampler.max_batch_size // group_size). Asynchronous runs fill each
-    # sampler up to its capacity instead.
+    """How many versions behind the trained policy a rollout may be (0: synchronous, on-policy; k
+    > 0: samplers keep generating while the trainer trains)."""
     prompts_per_request: PositiveInt | None = None
+    """Prompts per Rollout request. In a synchronous run (max_staleness 0) a step's prompts are cut
+    into requests of this size in draw order, so the run is the same whichever sampler answers
+    first and however many samplers there are. None: half a step, at most one sampler batch
+    (sampler.max_batch_size // group_size). Asynchronous runs fill each sampler up to its
+    capacity instead."""
     push_every: PositiveInt = 1
-    # The run's seed: with the prompt's uid it makes the noise of every completion.
+    """Push new weights to the samplers every N steps (at most max_staleness + 1)."""
     seed: int = 0
+    """The run's seed: with the prompt's uid it makes the noise of every completion."""
     run_dir: str = "runs/latest"
+    """The run's directory: its config, logs, metrics.jsonl, checkpoints, plots and export."""
     eval_before: bool = True
+    """Greedy evaluation on data.eval_split before the first step."""
     eval_after: bool = True
-    # Greedy evaluation every N steps during the run (metrics eval/*; None: only before/after).
+    """Greedy evaluation on data.eval_split after the last step."""
     eval_every: PositiveInt | None = None
+    """Greedy evaluation every N steps during the run (metrics eval/*; None: only before/after)."""
     log_every: PositiveInt = 1
-    # Experiment trackers besides metrics.jsonl: "tensorboard" (event files in
-    # <run_dir>/tensorboard) and/or "wandb" (WANDB_MODE=offline writes <run_dir>/wandb).
+    """Log a step line to the trainer's log every N steps."""
     report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
-    # A table of sample completions goes to the trackers every N steps (0: never).
+    """Experiment trackers besides metrics.jsonl: "tensorboard" (event files in
+    <run_dir>/tensorboard) and/or "wandb" (WANDB_MODE=offline writes <run_dir>/wandb)."""
     completions_every: NonNegativeInt = 10
-    # A run dir that holds a checkpoint resumes only with the same model, algorithm and data
-    # ("check"; a different config is refused, naming the keys); "force" resumes regardless.
+    """A table of sample completions goes to the trackers every N steps (0: never)."""
     resume: Literal["check", "force"] = "check"
+    """A run dir that holds a checkpoint resumes only with the same model, algorithm and data
+    ("check"; a different config is refused, naming the keys); "force" resumes regardless."""
     mesh: MeshConfig = Field(default_factory=lambda: MeshConfig(axes={"fsdp": -1}))
+    """The trainer's device mesh (default: FSDP over all its devices)."""
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """The optimizer (AdamW) and its learning-rate schedule."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Where and how often the trainer checkpoints."""
     data: DataConfig = Field(default_factory=DataConfig)
+    """The prompts: task, files, splits, formatting."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Multi-host trainer settings (jax.distributed)."""
     push: PushConfig = Field(default_factory=PushConfig)
+    """How weights reach the samplers."""
 
     def model_post_init(self, _context) -> None:
         if self.push_every > self.max_staleness + 1:
@@ -398,48 +510,53 @@ class TrainerConfig(Section):
 
 class SamplerConfig(Section):
     max_batch_size: PositiveInt = 256
+    """The most sequences a sampler decodes at once."""
     max_sequence_length: PositiveInt = 256
+    """The longest sequence (prompt + completion) in tokens a sampler accepts."""
     max_chunk_bytes: PositiveInt = 4 * 1024 * 1024 - 64 * 1024
+    """The largest weight chunk a sampler accepts in a push, in bytes (under gRPC's message
+    limit)."""
     mesh: MeshConfig = Field(
         default_factory=lambda: MeshConfig(axes={"tensor": -1}, strategy="tp")
     )
-    # Reported in GetInfo and every ScoredGroup; "" = advertised host:port.
+    """A sampler's device mesh (default: tensor parallel over all its devices)."""
     sampler_id: str = ""
-    # Deadline of one Score call to the reward service.
+    """Reported in GetInfo and every ScoredGroup; "" = advertised host:port."""
     reward_timeout_s: PositiveFloat = 120.0
-    # On SIGTERM: how long in-flight calls may take to finish before the server exits.
+    """Deadline of one Score call to the reward service."""
     shutdown_grace_s: NonNegativeFloat = 30.0
-    # Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
-    # Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up.
+    """On SIGTERM: how long in-flight calls may take to finish before the server exits."""
     register_with_trainer: bool = True
-    # Memory for the decode KV cache, in bytes; 0 = what max_batch_size sequences of
-    # max_sequence_length need. The engine never allocates more (sequences beyond it queue);
-    # GetInfo's max_batch_size is min(max_batch_size, sequences of max_sequence_length that
-    # fit), so a trainer's capacity is always admissible.
+    """Announce this sampler to the trainer at services.trainer_address (RegisterSampler, then
+    Heartbeat every services.heartbeat_s); retried quietly while the trainer is not up."""
     kv_cache_bytes: NonNegativeInt = 0
-    # "continuous": finished sequences' decode slots are refilled from waiting prompts between
-    # segments; "static": a batch decodes until its last sequence ends (for comparison).
+    """Memory for the decode KV cache, in bytes; 0 = what max_batch_size sequences of
+    max_sequence_length need. The engine never allocates more (sequences beyond it queue);
+    GetInfo's max_batch_size is min(max_batch_size, sequences of max_sequence_length that fit),
+    so a trainer's capacity is always admissible."""
     batching: Literal["continuous", "static"] = "continuous"
-    # Decode steps per compiled segment (between segments slots are retired and refilled).
+    """"continuous": finished sequences' decode slots are refilled from waiting prompts between
+    segments; "static": a batch decodes until its last sequence ends (for comparison)."""
     segment_steps: PositiveInt = 16
-    # Batches decoding at once, each with its own thread and KV cache (kv_cache_bytes each):
-    # requests share one batch; exclusive (reproducible) requests take a batch each, so a
-    # synchronous step's requests decode together. None: 2 on CPU devices with >= 2 cores, 1
-    # on accelerators (docs/sampler.md).
+    """Decode steps per compiled segment (between segments slots are retired and refilled)."""
     concurrent_batches: PositiveInt | None = None
-    # Apply a weight push to sequences in flight at the next segment boundary (their
-    # Completion.weight_versions then list every version); false = a sequence finishes on the
-    # weights it started with and a push waits until they drain.
+    """Batches decoding at once, each with its own thread and KV cache (kv_cache_bytes each):
+    requests share one batch; exclusive (reproducible) requests take a batch each, so a
+    synchronous step's requests decode together. None: 2 on CPU devices with >= 2 cores, 1
+    on accelerators (docs/sampler.md)."""
     update_in_flight: bool = False
-    # The dtype the sampler serves (None: model.dtype). "bfloat16" with float32 training: the
-    # trainer keeps float32 master weights and sends bfloat16 (half the bytes).
+    """Apply a weight push to sequences in flight at the next segment boundary (their
+    Completion.weight_versions then list every version); false = a sequence finishes on the
+    weights it started with and a push waits until they drain."""
     dtype: Literal["float32", "bfloat16"] | None = None
-    # The bulk weight data plane (docs/weight-sync.md): its TCP port on services.host (0: any
-    # free port; advertised in GetInfo), or None for gRPC PushWeights only.
+    """The dtype the sampler serves (None: model.dtype). "bfloat16" with float32 training: the
+    trainer keeps float32 master weights and sends bfloat16 (half the bytes)."""
     data_port: NonNegativeInt | None = 0
-    # A push (either transport) that sends nothing for this long is abandoned, releasing the
-    # push lock; a relay declares its next sampler gone after this long without a word.
+    """The bulk weight data plane (docs/weight-sync.md): its TCP port on services.host (0: any free
+    port; advertised in GetInfo), or None for gRPC PushWeights only."""
     push_idle_timeout_s: PositiveFloat = 30.0
+    """A push (either transport) that sends nothing for this long is abandoned, releasing the push
+    lock; a relay declares its next sampler gone after this long without a word."""
 
     def model_post_init(self, _context) -> None:
         if self.data_port is not None and self.data_port > 65535:
@@ -458,19 +575,27 @@ class AuthConfig(Section):
     """
 
     token: str | None = None
+    """The shared token every RPC must carry (null: token_env, then token_file, else no token)."""
     token_env: str = "SPLITRL_AUTH_TOKEN"
+    """The environment variable holding the token when token is null."""
     token_file: str | None = None
-    # "package.Service/Method" callable without the token. Health/Check: Kubernetes' gRPC
-    # probes and `splitrl health` send no token. Trainer/Status: read-only progress.
+    """A file holding the token when neither token nor token_env gives one."""
     open_methods: list[str] = Field(default_factory=lambda: [
         "grpc.health.v1.Health/Check", "splitrl.v1.Trainer/Status"])
+    """"package.Service/Method" callable without the token. Health/Check: Kubernetes' gRPC probes
+    and `splitrl health` send no token. Trainer/Status: read-only progress."""
     tls_cert: str | None = None
+    """This process's certificate (PEM): what servers serve, and what clients present with
+    tls_client_auth."""
     tls_key: str | None = None
+    """The private key of tls_cert (PEM)."""
     tls_ca: str | None = None
+    """The CA certificate peers are verified against (clients: enables TLS)."""
     tls_client_auth: bool = False
-    # The name clients expect in server certificates (default: the host of the address), so
-    # one certificate can serve pods whose IPs change.
+    """Mutual TLS: servers require a client certificate signed by tls_ca."""
     tls_server_name: str | None = None
+    """The name clients expect in server certificates (default: the host of the address), so one
+    certificate can serve pods whose IPs change."""
 
     def model_post_init(self, _context) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -496,36 +621,56 @@ class ServicesConfig(Section):
     """Addresses and membership. The same section drives the launcher, compose and Kubernetes."""
 
     host: str = "127.0.0.1"
-    # The host other services use to reach this one (samplers register with it). None: ``host``
-    # unless that is a wildcard (0.0.0.0), then this machine's hostname.
+    """The address services listen on."""
     advertise_host: str | None = None
+    """The host other services use to reach this one (samplers register with it). None: ``host``
+    unless that is a wildcard (0.0.0.0), then this machine's hostname."""
     reward_address: str = "127.0.0.1:50100"
+    """host:port of the reward service."""
     trainer_address: str = "127.0.0.1:50200"
+    """host:port of the trainer."""
     sampler_port: int = 50300
-    # Static sampler addresses; and/or a DNS name that resolves to many (compose, headless svc).
+    """The port a sampler listens on."""
     sampler_addresses: list[str] = Field(default_factory=list)
+    """Static sampler addresses (host:port) the trainer uses."""
     sampler_dns: str | None = None
+    """name:port resolving to every sampler (a compose service, a headless Service), resolved
+    again on every membership refresh."""
     num_samplers: NonNegativeInt = 2
+    """Samplers splitrl up starts."""
     heartbeat_s: PositiveFloat = 2.0
+    """Seconds between a sampler's heartbeats to the trainer."""
     sampler_timeout_s: float = 10.0
-    # How long the trainer waits for a ready sampler (at start, and whenever none is left)
-    # before it gives up with an error.
+    """A sampler silent for this long is dropped; its rollouts in flight go to others."""
     sampler_wait_s: PositiveFloat = 600.0
+    """How long the trainer waits for a ready sampler (at start, and whenever none is left)
+    before it gives up with an error."""
     metrics_port: int | None = None
+    """The Prometheus /metrics port of each service (null: none; splitrl up gives each process a
+    free port of its own)."""
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    """Who may call the services: token and TLS."""
 
 
 class Config(Section):
     """The whole run. Each service reads the sections it needs."""
 
     run_name: str = "splitrl"
+    """The run's name (logs, trackers)."""
     model: ModelSection = Field(default_factory=ModelSection)
+    """The policy's starting checkpoint and how it is held."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """How completions are sampled."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    """The reward functions and the reward service."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """The RL objective (GRPO-family switches)."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The trainer: steps, batch, data, optimizer, checkpoints, evaluation."""
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    """The samplers: batch, sequence length, mesh, KV cache, weight intake."""
     services: ServicesConfig = Field(default_factory=ServicesConfig)
+    """Addresses, membership and security of the services."""
 
     def model_post_init(self, _context) -> None:
         room = self.sampler.max_sequence_length - self.sampling.max_new_tokens

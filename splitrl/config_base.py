@@ -70,7 +70,9 @@ class Section(BaseModel):
     field order) and compare by value.
     """
 
-    model_config = ConfigDict(strict=True, extra="forbid", validate_default=False)
+    # A docstring under each field is its description: `splitrl config --schema` shows it.
+    model_config = ConfigDict(strict=True, extra="forbid", validate_default=False,
+                              use_attribute_docstrings=True)
 
     def __init__(self, *args: Any, **kwargs: Any):
         if args:

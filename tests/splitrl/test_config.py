@@ -175,6 +175,15 @@ def test_the_json_schema_describes_every_section(capsys):
     assert schema["$defs"]["OptimizerConfig"]["properties"]["lr"]["exclusiveMinimum"] == 0
     assert set(schema["properties"]) == {"run_name", "model", "sampling", "reward", "algorithm",
                                          "trainer", "sampler", "services"}
+    # Every key of every section says what it is (a docstring under the field).
+    sections = [schema, *schema["$defs"].values()]
+    undescribed = [f"{section.get('title')}.{key}" for section in sections
+                   for key, prop in section.get("properties", {}).items()
+                   if not prop.get("description")]
+    assert undescribed == []
+    assert len([k for section in sections for k in section.get("properties", {})]) > 140
+    assert schema["$defs"]["SamplingConfig"]["properties"]["temperature"]["description"] == (
+        "Sampling temperature: 0 is greedy; otherwise at least 1e-5.")
 
 
 def test_weight_sync_keys_are_typed_and_checked():
