@@ -67,7 +67,8 @@ def init_model(out_dir: str | os.PathLike, *, family: str = "qwen2", preset: str
     `vocab_size` sets the BPE size (default: the preset's); the model's vocabulary is the
     tokenizer's size rounded up to a multiple of 8. eos/pad ids in config.json come from the
     tokenizer (`<|endoftext|>`, and `<|im_end|>` also stops generation). `data_dir` holds
-    `gsm8k/` for the default vocabulary (default: `splitrl.tasks.default_data_dir()`).
+    `gsm8k/` for the default vocabulary (default: `$SPLITRL_DATA_DIR`, else the hub's
+    `openai/gsm8k`, see `splitrl.tasks.math_data`).
     An existing non-empty `out_dir` is refused unless `overwrite`. Returns `out_dir`.
     """
     from splitrl.models import TransformerConfig, init_random, save_pretrained
@@ -157,7 +158,7 @@ def _make_tokenizer(tmp: Path, vocab: str, bpe_size: int, *, vocab_size_given: b
         return tk.train_char_tokenizer(arithmetic.corpus(), tmp)
     if vocab == "default":
         root = Path(data_dir) if data_dir is not None else default_data_dir()
-        gsm8k = get_task("gsm8k", path=root / "gsm8k")
+        gsm8k = get_task("gsm8k", path=None if root is None else root / "gsm8k")
         texts = [*arithmetic.corpus(), *(row["prompt"] for row in gsm8k.rows("train"))]
         return tk.train_bpe_tokenizer(texts, tmp, vocab_size=bpe_size)
     path = Path(vocab)

