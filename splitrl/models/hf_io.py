@@ -43,6 +43,19 @@ def load_config(path: str | os.PathLike) -> TransformerConfig:
     return TransformerConfig.from_hf_dict(json.loads(config_path.read_text()))
 
 
+def generation_eos_ids(path: str | os.PathLike) -> list[int]:
+    """The ids that end generation for a checkpoint directory, as `transformers.generate` takes
+    them: `eos_token_id` of `generation_config.json` (one id or a list, e.g. Qwen2.5-Instruct's
+    `<|im_end|>` and `<|endoftext|>`), else of `config.json`; [] when neither names one."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(path) / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
 def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=None,
                     shardings: Mapping[str, jax.sharding.Sharding] | None = None) -> CausalLM:
     """Loads a local HF checkpoint directory as a `CausalLM` computing in `dtype`.
