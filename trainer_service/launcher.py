@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +81,11 @@ def release_port(port: int) -> None:
     sock = _HELD_PORTS.pop(port, None)
     if sock is not None:
         sock.close()
+
+
+# Less free space than this where the logs are: a process that failed there may not have been
+# able to log why, so its exit report says the disk is full.
+FULL_DISK_BYTES = 64 * 1024
 
 
 class Launcher:
@@ -192,7 +198,13 @@ class Launcher:
             how += f", {verdict.text}"
             if verdict.oom is not False:
                 how += f". {self.memory_advice(name)}"
-        return f"{name} {how}; last errors in {log}:\n{lines}"
+        report = f"{name} {how}; last errors in {log}:\n{lines}"
+        free = shutil.disk_usage(self.log_dir).free
+        if free < FULL_DISK_BYTES:  # a service on a full disk cannot log why it failed
+            report += (f"\n  the run directory's filesystem is full ({free} bytes free in "
+                       f"{self.run_dir}): the logs may end before the cause. Free space and "
+                       "run the same command: it resumes from the last checkpoint")
+        return report
 
     def memory_advice(self, name: str) -> str:
         """The settings that make process ``name`` use less memory."""

@@ -1,7 +1,9 @@
 """Storage faults and the stops a run decides on, in real runs: the reward error policy stops
 a run after checkpointing the step it is at; a checkpoint disk that fills up stops the run at
 the save that failed, saying why; a run directory whose checkpoints do not read says so and
-never shows an earlier attempt's success. `splitrl audit` stays exact after each.
+never shows an earlier attempt's success; a run directory whose disk fills mid-run leaves
+every file readable, and the restart without a checkpoint keeps the audit exact.
+`splitrl audit` stays exact after each.
 
 (A corrupt latest checkpoint with an intact older one, and a restart with no checkpoint at
 all, are faults of the chaos run: tests/e2e/test_chaos.py.)"""
@@ -10,13 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.harness import run_config
+from splitrl.jsonl import read_jsonl
+from tests.e2e.harness import run_config, status_step, tail, wait_exit, wait_for
 from trainer_service import launcher
+from trainer_service.launcher import Launcher
 from trainer_service.orchestration.audit import audit_run
 
 pytestmark = pytest.mark.slow
@@ -90,3 +95,59 @@ def test_a_full_checkpoint_disk_stops_the_run_at_the_save_that_failed(arith_mode
     assert "another trainer.run_dir" in captured.err
     assert "Event loop is closed" not in captured.err
     assert "greedy accuracy" not in captured.out
+
+
+def fill(directory: Path) -> Path:
+    """Write a file into ``directory`` until its filesystem has no space left."""
+    filler = directory / "filler"
+    with filler.open("wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def test_a_run_directory_that_fills_up_stays_readable_and_the_restart_loses_nothing(
+        arith_model, small_disk):
+    """Issue 36, 2: the run directory's disk filled at step 15: the console showed a half
+    line, metrics.jsonl kept a torn line (plots broken for good), and the restart, with no
+    checkpoint, began at step 0 without rolling back the audit trail (256 prompts "trained
+    twice"). Here the disk is filled by hand after step 3, with the checkpoints on it too."""
+    disk = small_disk("64m")
+    run_dir = disk / "run"
+    cfg = run_config(arith_model, run_dir, "trainer.steps=8", "trainer.checkpoint.every=50",
+                     *SHORT)
+    first = Launcher(cfg)
+    try:
+        first.up()
+        wait_for(lambda: status_step(first) >= 3, 300, "step 3", first)
+        trainer = first.procs["trainer"]
+        trainer.send_signal(signal.SIGSTOP)  # the run cannot end while the disk fills
+        try:
+            filler = fill(disk)
+        finally:
+            trainer.send_signal(signal.SIGCONT)
+        assert wait_exit(first, "trainer", 300) == 1
+        report = first.exit_report("trainer")
+    finally:
+        first.stop()
+    assert "the run directory's filesystem is full" in report, report
+    assert not (run_dir / "checkpoints").exists() or not [
+        p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
+    records = read_jsonl(run_dir / "metrics.jsonl")  # readable: no torn line breaks it
+    assert records and (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")
+
+    filler.unlink()  # space again: the same command starts over from step 0
+    again = Launcher(cfg)
+    try:
+        again.up()
+        assert wait_exit(again, "trainer", 600) == 0, tail(run_dir / "logs" / "trainer.log")
+    finally:
+        again.stop()
+    assert "no checkpoint: training from step 0" in (run_dir / "logs" / "trainer.log").read_text()
+    report = audit_run(run_dir)
+    assert report.ok and report.steps == list(range(1, 9)), report.lines()
+    assert report.trained == 8 * 4 and report.rolled_back >= 3
