@@ -500,6 +500,7 @@ class TrainerRun:
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
             self._export()
+            self.checkpointer.wait()  # the last checkpoint on disk (or SaveFailed) before "done"
             self.status.state = "done"
             return self._summary(summary)
         except InterruptedError:

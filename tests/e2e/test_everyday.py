@@ -87,12 +87,14 @@ def run(arith_model, tmp_path_factory):
             scraped[target["labels"]["instance_name"]] = r.read().decode()
     first.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends to the foreground process
     interrupted = _finish(first)
-    stopped = int(json.loads((run_dir / "summary.json").read_text())["step"])
+    stopped_summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = int(stopped_summary["step"])
     refused = _finish(_splitrl(*args, f"trainer.steps={LONG}", "algorithm.loss=gspo",
                                "trainer.optimizer.lr=0.002"), 300)
     # More steps than the interrupted run was asked for is no change a resume refuses.
     resumed = _finish(_splitrl(*args, f"trainer.steps={stopped + MORE}"))
     return {"dir": run_dir, "interrupted": interrupted, "refused": refused, "resumed": resumed,
+            "stopped_summary": stopped_summary,
             "scraped": scraped, "stopped": stopped, "steps": stopped + MORE}
 
 
@@ -105,6 +107,9 @@ def test_ctrl_c_exits_0_saying_where_it_stopped_and_how_to_continue(run):
     assert f"of {LONG}; checkpoint in {run['dir']}. To continue from there: splitrl up " in (
         summary_line)
     assert "exited with code" not in err and "failed" not in err
+    # Why it stopped, in summary.json: the launcher passes Ctrl-C on to the trainer as SIGTERM.
+    assert run["stopped_summary"]["state"] == "stopped"
+    assert run["stopped_summary"]["reason"] == "SIGTERM received"
 
 
 def test_a_changed_config_refuses_to_resume_and_names_the_keys(run):
