@@ -219,9 +219,11 @@ def _paced(messages: Iterator, idle_s: float) -> Iterator:
 
 
 def _load_tokenizer(path: str, tokenizer_class: str | None):
+    from splitrl.model_path import local_dir
     from splitrl.tokenizer import has_tokenizer, load_tokenizer
 
-    if not has_tokenizer(path):
+    local = local_dir(path)  # None: a hub id, whose tokenizer comes from the hub (or its cache)
+    if local is not None and not has_tokenizer(local):
         log.warning("no tokenizer in model.path: token-id prompts only, no Rollout scoring",
                     extra={"path": path})
         return None
