@@ -495,8 +495,11 @@ class PhaseReporter:
         self.write = write
         self.state: str | None = None
         self.trained = False
+        self.start_step: int | None = None
 
     def observe(self, state: str, step: int) -> None:
+        if self.start_step is None:  # the trainer's first status: the step it resumed at (or
+            self.start_step = step  # 0), before a step that may end between two polls
         if state == self.state:
             return
         self.state = state
@@ -508,8 +511,8 @@ class PhaseReporter:
                 "" if self.trained else " (the samplers compile their programs on first use)"))
         elif state == "training" and not self.trained:
             self.trained = True
-            self.write(f"trainer: training from step {step} (the first step compiles the train "
-                       "program)")
+            self.write(f"trainer: training from step {self.start_step} (the first step compiles "
+                       "the train program)")
 
 
 def preflight(cfg: Config, memory_bytes: int | None = None) -> str | None:

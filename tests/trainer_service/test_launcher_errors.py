@@ -228,3 +228,15 @@ def test_services_stop_when_their_launcher_is_killed(arith_model, tmp_path):
     log = (tmp_path / "run" / "logs" / "reward.log").read_text()
     assert "the launcher that started this service is gone; stopping" in log
     assert "server stopped" in log  # the graceful path, not the hard exit
+
+
+def test_the_phase_lines_name_the_step_a_resumed_run_starts_at():
+    said = []
+    phases = launcher.PhaseReporter(said.append)
+    for state, step in [("starting", 50), ("evaluating", 50), ("training", 52),
+                        ("evaluating", 60), ("training", 60)]:
+        phases.observe(state, step)  # polled once a second: steps 50 and 51 ended unseen
+    assert [line.split(" (")[0] for line in said] == [
+        "trainer: loading the model, restoring a checkpoint if there is one, waiting for the "
+        "samplers", "trainer: greedy evaluation at step 50", "trainer: training from step 50",
+        "trainer: greedy evaluation at step 60"]
