@@ -136,7 +136,7 @@ def make_math_accuracy(max_chars: int = 20_000):
             if not pred:
                 scores.append(RewardValue.zero("no answer found"))
             elif _math_verify()[0].verify(gold, pred, timeout_seconds=None):
-                scores.append(1.0)
+                scores.append(RewardValue(1.0, f"answer {_shown(pred)!r}"))
             else:
                 scores.append(RewardValue.zero(f"wrong answer {_shown(pred)!r}"))
         return scores

@@ -38,10 +38,12 @@ from trainer_service.orchestration.evaluation import (
     SAMPLED,
     accuracy_function,
     collect_lane,
+    completion_records,
     eval_items,
     eval_metrics,
     pass_at_k_metrics,
     sampled_items,
+    write_jsonl,
 )
 from trainer_service.orchestration.membership import SamplerPool
 from trainer_service.orchestration.parts import lanes
@@ -77,9 +79,12 @@ def resolve(target: str, config: str | None, overrides: list[str],
 
 
 def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: list[int],
-             stop: threading.Event | None = None, timeout_s: float = 600.0) -> dict[str, float]:
+             stop: threading.Event | None = None, timeout_s: float = 600.0,
+             out: Path | None = None) -> dict[str, float]:
     """Greedy accuracy and (with ``samples`` > 0) pass@k on the config's evaluation rows,
-    through the samplers at ``sampler_addresses``."""
+    through the samplers at ``sampler_addresses``. With ``out``, what the model answered goes
+    to ``out/eval_completions.jsonl`` (greedy) and ``out/sampled_completions.jsonl``
+    (`completion_records`)."""
     from trainer_service.orchestration.data import PromptStream
 
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
@@ -102,11 +107,18 @@ def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: lis
         wait_until(pool.ready, timeout_s=timeout_s, stop=stop,
                    what=f"a sampler of {sampler_addresses} ready")
         items = eval_items(rows)
-        result = eval_metrics(collect_lane(queue, items, EVAL, stop=stop), fn, len(items))
+        groups = collect_lane(queue, items, EVAL, stop=stop)
+        result = eval_metrics(groups, fn, len(items))
+        if out is not None:
+            write_jsonl(out / "eval_completions.jsonl",
+                        completion_records(groups, fn, tokenizer))
         if samples:
             groups = collect_lane(queue, sampled_items(rows, cfg.trainer.seed), SAMPLED,
                                   stop=stop)
             result.update({f"eval/{k}": v for k, v in pass_at_k_metrics(groups, fn, ks).items()})
+            if out is not None:
+                write_jsonl(out / "sampled_completions.jsonl",
+                            completion_records(groups, fn, tokenizer))
     finally:
         dispatcher.stop()
         queue.close()
@@ -161,7 +173,7 @@ def main(args) -> int:
             launcher.wait_healthy("reward", launcher.reward_address)
             for i, address in enumerate(addresses):
                 launcher.wait_healthy(f"sampler-{i}", address)
-        result = evaluate(cfg, addresses, samples=samples if ks else 0, ks=ks)
+        result = evaluate(cfg, addresses, samples=samples if ks else 0, ks=ks, out=out)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -174,5 +186,6 @@ def main(args) -> int:
     for line in report(result, cfg):
         print(line, flush=True)
     (out / "eval.json").write_text(json.dumps({"model": cfg.model.path, **result}, indent=2))
-    print(f"results: {out / 'eval.json'}")
+    print(f"results: {out / 'eval.json'}; what the model answered, per prompt: "
+          f"{out / 'eval_completions.jsonl'}")
     return 0

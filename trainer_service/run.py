@@ -53,8 +53,10 @@ from trainer_service.learning.multihost import HostGroup, follow, host_model
 from trainer_service.orchestration.evaluation import (
     accuracy_function,
     collect_lane,
+    completion_records,
     eval_items,
     eval_metrics,
+    write_jsonl,
 )
 from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.membership import SamplerHandle
@@ -349,6 +351,8 @@ class TrainerRun:
         groups = collect_lane(self.queue, items, EVAL, stop=self.stop_event)
         self.status.state = state
         result = eval_metrics(groups, self.accuracy_fn, len(items))
+        write_jsonl(self.run_dir / "evaluations" / f"{tag}-step{self.step:06d}.jsonl",
+                    completion_records(groups, self.accuracy_fn, self.tokenizer))
         result = {f"{tag}/{k.split('/', 1)[1]}": v for k, v in result.items()}
         self._write_metrics({"step": self.step, "version": self.version, **result})
         log.info("evaluation", extra=result)

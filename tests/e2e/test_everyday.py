@@ -206,3 +206,17 @@ def test_eval_reproduces_the_runs_after_accuracy_and_prints_pass_at_k(run, tmp_p
     assert f"greedy accuracy: {summary['eval_after/accuracy']:.3f} on 25 prompts" in out
     assert "pass@k from 4 samples per prompt" in out and "pass@4" in out
     assert 0 <= result["eval/pass@1"] <= result["eval/pass@4"] <= 1
+    # What the model answered: per prompt, as the run's own final evaluation recorded it
+    records = [json.loads(line) for line in
+               (tmp_path / "eval_completions.jsonl").read_text().splitlines()]
+    assert len(records) == 25
+    assert np.mean([r["completions"][0]["score"] for r in records]) == pytest.approx(
+        result["eval/accuracy"])
+    first = records[0]
+    assert first["prompt_id"].removeprefix("arith-") + "=" in first["prompt"]
+    assert first["reference"] and set(first["completions"][0]) >= {
+        "text", "finish_reason", "score", "rewards", "reasons"}
+    [in_run] = (run["dir"] / "evaluations").glob("eval_after-step*.jsonl")
+    assert [json.loads(line) for line in in_run.read_text().splitlines()] == records
+    sampled = (tmp_path / "sampled_completions.jsonl").read_text().splitlines()
+    assert len(sampled) == 25 and all(len(json.loads(s)["completions"]) == 4 for s in sampled)

@@ -17,9 +17,11 @@ Language Models Trained on Code", arXiv:2107.03374) unbiased estimator 1 - C(n-c
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -111,6 +113,36 @@ def eval_metrics(groups: list[RolloutGroup], accuracy_fn: str | None,
         "eval/count": float(len(groups)),
         "eval/dropped": float(asked - len(groups)),
     }
+
+
+def completion_records(groups: list[RolloutGroup], accuracy_fn: str | None,
+                       tokenizer) -> list[dict]:
+    """What the model answered, one record per prompt, for auditing an accuracy: its id, the
+    prompt as the model saw it (its tokens decoded with the chat template and special tokens),
+    the reference, and per completion its text, finish reason, score (of the accuracy
+    function), every reward function's score and its reasons (math_accuracy's names the answer
+    it extracted: "answer '18'", "wrong answer '17'", "no answer found")."""
+    records = []
+    for group in groups:
+        row = group.item.row
+        records.append({
+            "prompt_id": row["prompt_id"],
+            "prompt": tokenizer.decode(group.prompt_token_ids, skip_special_tokens=False),
+            "reference": row.get("reference"),
+            "completions": [{"text": c.text, "finish_reason": c.finish_reason,
+                             "tokens": len(c.token_ids), "score": _score(c, accuracy_fn),
+                             "reward": c.reward, "rewards": c.rewards, "reasons": c.reasons}
+                            for c in group.completions],
+        })
+    return records
+
+
+def write_jsonl(path: str | Path, records: list[dict]) -> Path:
+    """``records`` as JSON lines at ``path`` (its folder made), replacing the file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return path
 
 
 def accuracy_line(summary: dict) -> str | None:
