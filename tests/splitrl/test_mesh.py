@@ -108,3 +108,69 @@ def test_spec_strings_round_trip():
         text = spec_to_strings(spec, ndim)
         assert len(text) == ndim
         assert strings_to_spec(text) == P(*(list(spec) + [None] * (ndim - len(spec))))
+
+
+# SmolLM2-135M's attention shape (9 query heads, 3 kv heads), scaled down: a tensor axis of 2
+# or 4 divides neither head count. GSPMD keeps the maths of a split that cuts
+# through a head (XLA reshards where the heads are formed), and the sampler's KV cache keeps
+# kv heads whole (replicated) when the tensor axis does not divide them: every layout serves
+# and trains the same model.
+NINE_HEADS = dict(family="llama", vocab_size=96, hidden_size=72, intermediate_size=64,
+                  num_layers=2, num_heads=9, num_kv_heads=3, head_dim=8,
+                  tie_word_embeddings=True)
+HEAD_LAYOUTS = [{"tensor": 1}, {"tensor": 2}, {"fsdp": 2, "tensor": 4}]
+
+
+def _nine_head_model():
+    from splitrl.models import TransformerConfig, init_random
+
+    return init_random(TransformerConfig(**NINE_HEADS), seed=0, std=0.3)
+
+
+def test_sampler_serves_nine_query_three_kv_heads_on_tensor_axes_that_do_not_divide_them():
+    from flax import nnx
+
+    from sampler_service.engine import GenerationEngine
+    from sampler_service.sampling import SamplingOptions
+
+    model = _nine_head_model()
+    graphdef, state = nnx.split(model)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    tokens = {}
+    for axes in HEAD_LAYOUTS:
+        mesh = build_mesh(MeshConfig(axes=axes), jax.devices()[:int(np.prod([*axes.values()]))])
+        engine = GenerationEngine(model.config, graphdef, mesh=mesh, max_batch_size=4,
+                                  max_sequence_length=32, eos_token_ids=(), segment_steps=4)
+        try:
+            out = engine.generate(engine.place_state(state), prompts,
+                                  SamplingOptions(greedy=True, max_new_tokens=8))
+        finally:
+            engine.close()
+        tokens[str(axes)] = [list(o[0].token_ids) for o in out]
+    assert len({str(t) for t in tokens.values()}) == 1, tokens
+
+
+def test_trainer_trains_nine_query_three_kv_heads_on_tensor_axes_that_do_not_divide_them():
+    from splitrl.config import AlgorithmConfig, OptimizerConfig
+    from trainer_service.learning.learner import Learner, TrainBatch
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 96, (4, 8)).astype(np.int32)
+    completion = np.zeros((4, 8), bool)
+    completion[:, 4:] = True
+    batch = TrainBatch(tokens=tokens, attention_mask=np.ones((4, 8), bool),
+                       completion_mask=completion, sampler_logprobs=np.zeros((4, 8), np.float32),
+                       advantages=np.array([1.0, -1.0, 0.5, -0.5], np.float32),
+                       group_ids=np.array([0, 0, 1, 1]), rewards=np.array([1.0, 0, 1, 0]))
+    results = []
+    for axes in HEAD_LAYOUTS:
+        mesh = build_mesh(MeshConfig(axes=axes), jax.devices()[:int(np.prod([*axes.values()]))])
+        learner = Learner(_nine_head_model(), algorithm=AlgorithmConfig(loss="grpo"),
+                          optimizer=OptimizerConfig(lr=1e-2), mesh=mesh)
+        logprobs = learner.logprobs(batch)
+        batch.sampler_logprobs = logprobs
+        metrics = learner.train_step(batch)
+        results.append((logprobs, metrics["loss"], metrics["grad_norm"]))
+    for logprobs, loss, grad_norm in results[1:]:
+        np.testing.assert_allclose(logprobs, results[0][0], atol=1e-5)
+        np.testing.assert_allclose([loss, grad_norm], results[0][1:], rtol=1e-4, atol=1e-6)
