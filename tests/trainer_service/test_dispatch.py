@@ -102,6 +102,25 @@ def test_requests_carry_each_prompts_seed_and_fixed_units_whatever_the_samplers(
                                   ["p6#6", "p7#7"]]
 
 
+def test_synchronous_steps_rotate_over_every_sampler(samplers):
+    # Each step: two requests of four prompts (a synchronous run cuts a step so), three
+    # samplers with room for both. Offered in pool order every time, the third never got any.
+    group = [samplers(f"s{i}", capacity=64) for i in range(3)]
+    pool, _ = pool_of(*group)
+    queue = RolloutQueue([Lane(TRAIN, 4, SAMPLING, request_size=4)])
+    dispatcher = Dispatcher(pool, queue)
+    dispatcher.start()
+    items = work(24)
+    try:
+        for step in range(3):
+            queue.add(items[8 * step: 8 * step + 8])
+            queue.take(TRAIN, 8, timeout_s=WAIT_S)
+    finally:
+        dispatcher.stop()
+        pool.stop()
+    assert [len(s.requests) for s in group] == [2, 2, 2]
+
+
 def test_a_sampler_behind_on_weights_is_resynced_not_blamed(samplers):
     behind = samplers("behind", version=0)
     pool, joined = pool_of(behind, version=3)  # the pool thinks it holds version 3

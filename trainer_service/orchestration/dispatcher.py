@@ -21,6 +21,7 @@ How a call ends decides what happens next:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -115,6 +116,10 @@ class Dispatcher:
         self._thread: threading.Thread | None = None
         self._backoff_s = 0.0
         self._paused_until = 0.0
+        # When each sampler was last sent a request (a count of requests): each round offers
+        # work to the one that waited longest first.
+        self._sends = itertools.count()
+        self._last_sent: dict[str, int] = {}
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -148,14 +153,18 @@ class Dispatcher:
     # -- dispatch -------------------------------------------------------------------------
 
     def dispatch_once(self) -> bool:
-        """One round: at most one new request per ready sampler. True if any was sent."""
-        ready = self.pool.ready()
+        """One round: at most one new request per ready sampler, offered first to the sampler
+        sent a request longest ago (never: first of all). A synchronous step's requests then
+        rotate over every sampler, instead of always going to the first ones in the pool while
+        the rest stand idle. True if any was sent."""
+        ready = sorted(self.pool.ready(), key=lambda h: self._last_sent.get(h.address, -1))
         launched = False
         for handle in ready:
             claim = self.queue.claim(handle.address, handle.weight_version, handle.capacity,
                                      len(ready))
             if claim is None:
                 continue
+            self._last_sent[handle.address] = next(self._sends)
             try:
                 self._launch(handle, claim)
             except Exception as e:  # the call could not even start: the items go back
