@@ -129,8 +129,9 @@ container() {  # service [index]: the container id
   awk -v i="${2:-1}" 'NR == i {print $2}' <<< "$ids"
 }
 
-trained_steps() {  # steps the trainer has finished so far
-  docker exec "$1" sh -c "cat $RUN_DIR/trained_prompts.jsonl 2>/dev/null | wc -l" 2>/dev/null || echo 0
+trained_steps() {  # steps the trainer has finished so far (0 when it cannot be asked)
+  docker exec "$1" sh -c "cat $RUN_DIR/trained_prompts.jsonl 2>/dev/null | wc -l" 2>/dev/null \
+    | grep -x '[0-9][0-9]*' || echo 0
 }
 
 wait_for_step() {  # trainer-id step timeout-s
@@ -174,7 +175,7 @@ from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
 stub = trainer_pb2_grpc.TrainerStub(grpc.insecure_channel("127.0.0.1:50200"))
 reply = stub.Status(trainer_pb2.StatusRequest(), timeout=5)
 print(sum(s.inflight_prompts for s in reply.samplers if s.address.rsplit(":", 1)[0] == sys.argv[1]))
-' "$2" 2>/dev/null || echo 0
+' "$2" 2>/dev/null | grep -x '[0-9][0-9]*' || echo 0  # docker's own errors are not a count
 }
 
 sampler_map() {  # NAME<TAB>IP of every sampler container, while they run
@@ -247,8 +248,13 @@ if [ -z "$ONLY" ] || [ "$ONLY" = faults ]; then
   wait_for_step "$trainer" "$kill_at" 1800
   # Kill it while it holds prompts: freeze it (docker pause), ask the trainer's Status RPC what
   # it has in flight there, thaw and retry until that is some, then kill the frozen container.
+  # Until a third of the steps is left for the restart below; a trainer that finished or
+  # died first fails the run here, saying so.
   held=0
-  for _ in $(seq 60); do
+  restart_at=$(( 2 * FAULT_STEPS / 3 ))
+  while [ "$(trained_steps "$trainer")" -lt "$restart_at" ]; do
+    [ "$(docker inspect -f '{{.State.Running}}' "$trainer")" = true ] \
+      || die "the trainer exited before a sampler could be killed while holding prompts"
     # The cgroup freezer can fail under load ("unable to freeze"); runc then leaves it running.
     docker pause "$victim" >/dev/null 2>&1 || { sleep 0.5; continue; }
     held=$(inflight "$trainer" "$victim_ip")
@@ -256,9 +262,10 @@ if [ -z "$ONLY" ] || [ "$ONLY" = faults ]; then
     docker unpause "$victim" >/dev/null
     sleep 0.5
   done
+  [ "$held" -gt 0 ] || die "$(docker inspect -f '{{.Name}}' "$victim" | tr -d /) held no prompts \
+whenever it was frozen before step $restart_at"
   docker kill "$victim" >/dev/null
   note "  killed $(docker inspect -f '{{.Name}}' "$victim" | tr -d /) after step $(trained_steps "$trainer"), holding $held prompts"
-  restart_at=$(( 2 * FAULT_STEPS / 3 ))
   wait_for_step "$trainer" "$restart_at" 1800
   note "  restarting the trainer container at step $(trained_steps "$trainer") (SIGTERM, then start)"
   compose restart -t 120 trainer >/dev/null 2>&1
