@@ -26,7 +26,7 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,7 +37,7 @@ from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
 from splitrl.config import MIN_TEMPERATURE, SamplingConfig, temperature_ok
 from splitrl.serving import make_channel
-from splitrl.tokenizer import ByteLevelBytes, longest_token_chars
+from splitrl.tokenizer import ByteLevelBytes, longest_token_chars, stop_string_cut
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,19 @@ class RolloutWorker:
         metrics.TOKENS_GENERATED.inc(sum(len(s.token_ids) for s in group.sequences))
         metrics.SEQUENCES_GENERATED.inc(len(group.sequences))
 
+    def _cut_at_stop_string(self, seq):
+        """``seq`` ended at the first of ``sampling.stop_strings`` it wrote (the engine stops on
+        token ids; the text of a stop string is known only once decoded)."""
+        if not self.sampling.stop_strings or self.tokenizer is None:
+            return seq
+        keep = stop_string_cut(self.tokenizer, seq.token_ids, self.sampling.stop_strings)
+        if keep is None:
+            return seq
+        return replace(seq, token_ids=list(seq.token_ids[:keep]),
+                       logprobs=list(seq.logprobs[:keep]), finish_reason="stop")
+
     def completion(self, seq) -> common_pb2.Completion:
+        seq = self._cut_at_stop_string(seq)
         text = self._decode(seq.token_ids)[0] if self.tokenizer else ""
         return common_pb2.Completion(token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,
                                      finish_reason=seq.finish_reason,
@@ -406,6 +418,7 @@ class RolloutWorker:
             prompt = prompts[group.index]
             done = []
             for j, seq in enumerate(group.sequences):
+                seq = self._cut_at_stop_string(seq)
                 text, raw = self._decode(seq.token_ids)
                 done.append(common_pb2.Completion(
                     token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,

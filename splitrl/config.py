@@ -174,6 +174,9 @@ class SamplingConfig(Section):
     """The most tokens generated per completion."""
     stop_token_ids: list[int] = Field(default_factory=list)
     """Token ids that end a completion besides the tokenizer's EOS."""
+    stop_strings: list[str] = Field(default_factory=list)
+    """Texts that end a completion, as transformers' generate(stop_strings=...): it keeps its
+    tokens up to the one that completes the first of them (the samplers cut it there)."""
     seed: int = 0
     """Seed of requests whose prompts carry no seed of their own (Generate, evaluation tools).
     Training rollouts draw their noise from trainer.seed and each prompt's uid."""

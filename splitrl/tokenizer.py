@@ -329,6 +329,27 @@ def decode(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> s
     return tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
+def stop_string_cut(tokenizer, ids: Sequence[int], stop_strings: Sequence[str]) -> int | None:
+    """How many of ``ids`` a completion keeps when it ends at the first of ``stop_strings`` it
+    writes, as `transformers.generate(stop_strings=...)` ends it: up to and including the token
+    whose text completes the string (special tokens count as their text). None when the text
+    holds none of them. A binary search over prefixes: a few decodes per completion."""
+    def has_stop(n: int) -> bool:
+        text = decode(tokenizer, ids[:n], skip_special_tokens=False)
+        return any(stop in text for stop in stop_strings)
+
+    if not stop_strings or not has_stop(len(ids)):
+        return None
+    lo, hi = 1, len(ids)  # the shortest prefix with a stop string lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if has_stop(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2's byte <-> printable character table used by byte-level BPE, inverted."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))

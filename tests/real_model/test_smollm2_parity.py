@@ -28,7 +28,7 @@ from sampler_service.server import generation_stop_ids
 from splitrl.config import MeshConfig
 from splitrl.mesh import build_mesh
 from splitrl.models import apply, from_pretrained, left_pad_positions
-from splitrl.tokenizer import decode, render_prompt
+from splitrl.tokenizer import decode, render_prompt, stop_string_cut
 
 MAX_NEW = 32
 IM_START, IM_END = 1, 2  # SmolLM2's ChatML ids; <|im_end|> is its eos and pad
@@ -71,7 +71,7 @@ def _hf_logits(hf, tokens, mask, positions=None) -> np.ndarray:
         return hf(torch.tensor(tokens, dtype=torch.long), **kwargs).logits.numpy()
 
 
-def _hf_greedy(hf, prompts, generation_config) -> list[list[int]]:
+def _hf_greedy(hf, prompts, generation_config, **kwargs) -> list[list[int]]:
     """transformers' greedy completions (left-padded batch), each cut after its first eos."""
     import torch
 
@@ -79,7 +79,7 @@ def _hf_greedy(hf, prompts, generation_config) -> list[list[int]]:
     with torch.no_grad():
         out = hf.generate(torch.tensor(tokens, dtype=torch.long),
                           attention_mask=torch.tensor(mask, dtype=torch.long),
-                          generation_config=generation_config)
+                          generation_config=generation_config, **kwargs)
     eos = set(np.atleast_1d(generation_config.eos_token_id).tolist())
     completions = []
     for row in out[:, tokens.shape[1]:].tolist():
@@ -163,6 +163,31 @@ def test_generation_config_eos_ids_end_completions_as_in_transformers(
                                                            do_sample=False, pad_token_id=IM_END)
     assert list(seq.token_ids) == tokens[:k + 1] == _hf_greedy(hf_smollm2, prompt, config)[0]
     assert seq.finish_reason == "stop"
+
+
+def test_stop_strings_end_completions_as_in_transformers(engine, hf_smollm2, smollm2,
+                                                         smollm2_tokenizer, chat_prompts):
+    """A word the model writes mid-answer as the stop string: the sampler's cut
+    (`stop_string_cut`, applied by sampler_service.rollout to every completion) keeps what
+    transformers' generate(stop_strings=...) generates."""
+    import transformers
+
+    eng, state = engine
+    prompt = chat_prompts[:1]
+    [[seq]] = eng.generate(state, prompt, SamplingOptions(temperature=0.0,
+                                                         max_new_tokens=MAX_NEW))
+    tokens = list(seq.token_ids)
+    stop = decode(smollm2_tokenizer, tokens).split()[6]  # a word, not a whole token, maybe
+    keep = stop_string_cut(smollm2_tokenizer, tokens, [stop])
+    assert keep is not None and keep < len(tokens)
+    assert stop in decode(smollm2_tokenizer, tokens[:keep])
+    assert stop not in decode(smollm2_tokenizer, tokens[:keep - 1])
+    config = transformers.GenerationConfig.from_pretrained(
+        smollm2, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=IM_END,
+        stop_strings=[stop])
+    assert _hf_greedy(hf_smollm2, prompt, config, tokenizer=smollm2_tokenizer)[0] == \
+        tokens[:keep]
+    assert stop_string_cut(smollm2_tokenizer, tokens, ["never written"]) is None
 
 
 @pytest.mark.parametrize("system_prompt", [None, "You are a careful math tutor."])
