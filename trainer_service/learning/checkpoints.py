@@ -199,8 +199,7 @@ class Checkpointer:
                 meta["rng_impl"] = "raw"  # an old-style uint32 key array
             arrays["rng"] = rng
             meta["rng_shape"] = list(rng.shape)
-        self.wait()  # the previous save, and its failure if it failed, first
-        try:
+        try:  # (orbax waits for the previous save first, after a barrier of all processes)
             self._manager.save(
                 int(step),
                 args=ocp.args.Composite(
@@ -208,8 +207,9 @@ class Checkpointer:
                 ),
                 force=True,
             )
-        except Exception as e:  # a synchronous save, or the start of an asynchronous one
-            raise SaveFailed(int(step), self.directory, e) from e
+        except Exception as e:  # a synchronous save, the start of an asynchronous one, or
+            # the previous one (if no check_saved() saw it fail)
+            raise SaveFailed(self._unchecked or int(step), self.directory, e) from e
         self._unchecked = int(step)
         return True
 
