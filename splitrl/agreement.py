@@ -10,10 +10,11 @@ naming every differing key (:func:`differences`), before it gets a push or a pro
 
 The keys: the config fields the sampler itself enforces or falls back on (``trainer.steps``:
 the highest push version it accepts; ``sampling.stop_token_ids``: its stop tokens when a
-request names none), the model's architecture and every ``config.json`` field that shapes it
-(``model.vocab_size``, ``model.num_hidden_layers``...; not its dtype: a sampler may serve bf16
-from f32 weights) and ``tokenizer``, a fingerprint of the tokenizer as loaded (vocabulary,
-special tokens, chat template). Weights are not compared: a sampler of the same model with
+request names none; ``sampling.stop_strings``: where it ends a completion), the model's
+architecture and every ``config.json`` field that shapes it (``model.vocab_size``,
+``model.num_hidden_layers``...; not its dtype: a sampler may serve bf16 from f32 weights) and
+``tokenizer``, a fingerprint of the tokenizer as loaded (vocabulary, special tokens, chat
+template). Weights are not compared: a sampler of the same model with
 other weights is reset to the trainer's by its first push.
 """
 
@@ -53,6 +54,7 @@ def agreed_settings(config: Any, model_config: Any, tokenizer: Any) -> dict[str,
     out = {
         "trainer.steps": str(config.trainer.steps),
         "sampling.stop_token_ids": json.dumps(list(config.sampling.stop_token_ids)),
+        "sampling.stop_strings": json.dumps(list(config.sampling.stop_strings)),
         "tokenizer": tokenizer_identity(tokenizer),
     }
     for key, value in sorted(model_config.to_hf_dict().items()):
