@@ -36,6 +36,7 @@ from sampler_service.requests import EngineClosed, FinishedGroup, GenerationRequ
 from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
 from splitrl.config import MIN_TEMPERATURE, SamplingConfig, temperature_ok
+from splitrl.error_cause import Cause
 from splitrl.serving import make_channel
 from splitrl.tokenizer import ByteLevelBytes, longest_token_chars, stop_string_cut
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
@@ -47,12 +48,14 @@ MAX_TEMPERATURE = 100.0
 
 
 class RequestError(Exception):
-    """A request cannot be served; ``code`` is the gRPC status to answer with."""
+    """A request cannot be served; ``code`` is the gRPC status to answer with, ``cause`` what the
+    caller must know beside it (sent as trailing metadata, see ``splitrl.error_cause``)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, cause: Cause | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.cause = cause
 
 
 @dataclass
@@ -68,7 +71,8 @@ class PreparedPrompt:
 
 
 class RewardClient:
-    """``Reward.Score`` over one channel; a dead service becomes UNAVAILABLE with the address."""
+    """``Reward.Score`` over one channel; a dead service becomes UNAVAILABLE with the address
+    and the cause ``REWARD_UNAVAILABLE`` (the trainer pauses rather than blame the sampler)."""
 
     def __init__(self, address: str, timeout_s: float, connect_timeout_s: float = 5.0,
                  auth=None):
@@ -92,12 +96,14 @@ class RewardClient:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"reward service at {self.address} (services.reward_address) is unavailable"
-                f" ({e.code().name}: {e.details()}); rollouts cannot be scored") from None
+                f" ({e.code().name}: {e.details()}); rollouts cannot be scored",
+                Cause.REWARD_UNAVAILABLE) from None
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"reward service at {self.address} is unavailable: its health status is "
-                f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+                f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}",
+                Cause.REWARD_UNAVAILABLE)
 
     def score(self, items: list[reward_pb2.ScoreItem],
               functions: Sequence[str]) -> dict[str, reward_pb2.ItemScore]:
@@ -113,7 +119,8 @@ class RewardClient:
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"reward service at {self.address} is unavailable ({code.name}: "
-                    f"{e.details()}); rollouts cannot be scored") from None
+                    f"{e.details()}); rollouts cannot be scored",
+                    Cause.REWARD_UNAVAILABLE) from None
             raise RequestError(code, f"reward service at {self.address} refused the Score "
                                f"call: {code.name}: {e.details()}") from None
         finally:

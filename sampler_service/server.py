@@ -46,6 +46,7 @@ from sampler_service.weights import WeightStore
 from splitrl.agreement import DIFFERING_KEYS, agreed_settings
 from splitrl.config import Config
 from splitrl.dataplane.server import DataServer
+from splitrl.error_cause import abort
 from splitrl.logs import configure_logging, set_context
 from splitrl.mesh import build_mesh
 from splitrl.metrics import start_metrics_server
@@ -147,7 +148,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             reply = self.worker.generate(request, context)
         except RequestError as e:
             metrics.REQUESTS.labels("Generate", e.code.name).inc()
-            context.abort(e.code, e.message)
+            abort(context, e.code, e.message, e.cause)
         except Exception as e:
             metrics.REQUESTS.labels("Generate", "INTERNAL").inc()
             log.exception("generate failed")
@@ -162,7 +163,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             metrics.REQUESTS.labels("Rollout", e.code.name).inc()
             log.warning("rollout failed", extra={"code": e.code.name, "reason": e.message,
                                                  "request_id": request.request_id})
-            context.abort(e.code, e.message)
+            abort(context, e.code, e.message, e.cause)
         except Exception as e:
             if not context.is_active():
                 raise
@@ -358,7 +359,8 @@ class TrainerRegistration:
     def _run(self) -> None:
         channel = make_channel(self.address, auth=self.auth)
         stub = trainer_pb2_grpc.TrainerStub(channel)
-        registered, failing, refused = False, False, ""
+        registered, failing = False, False
+        refused: str | None = None  # the differing keys of the last refusal
         me = dict(sampler_id=self.servicer.sampler_id, address=self.servicer.address)
         try:
             while not self._stop.is_set():
@@ -374,16 +376,16 @@ class TrainerRegistration:
                             weight_version=self.servicer.weights.version, **me),
                             timeout=5)
                         registered = reply.known
-                    failing = False
+                    failing, refused = False, None
                 except grpc.RpcError as e:
                     registered = False
                     if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # refused: say why
-                        if refused != e.details():
-                            keys = dict(e.trailing_metadata() or ()).get(DIFFERING_KEYS, "")
+                        keys = dict(e.trailing_metadata() or ()).get(DIFFERING_KEYS, "")
+                        if refused is None or refused != keys:  # once per set of keys
                             log.error("the trainer refused this sampler: %s", e.details(),
                                       extra={"trainer": self.address,
                                              "differing_keys": keys.split(",") if keys else []})
-                        refused = e.details()
+                        refused = keys
                     elif not failing:
                         log.info("trainer not reachable; will retry", extra={
                             "trainer": self.address, "code": e.code().name})

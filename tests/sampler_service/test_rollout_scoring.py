@@ -6,13 +6,15 @@ replaced by a recorder (the reward service is the subject of other tests)."""
 from __future__ import annotations
 
 import queue
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from sampler_service.requests import FinishedGroup, GeneratedSequence
-from sampler_service.rollout import RequestError, RolloutWorker
+from sampler_service.rollout import RequestError, RewardClient, RolloutWorker
+from splitrl.error_cause import Cause
 from splitrl.v1 import sampler_pb2
 
 
@@ -53,3 +55,19 @@ def test_an_engine_that_stops_before_the_groups_finish_is_unavailable():
         list(worker._scored_as_finished(None, [object()] * 2, events))
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert worker.calls == [[0]]
+
+
+def test_a_reward_service_that_is_not_there_is_a_typed_outage():
+    # The trainer pauses dispatching on this cause rather than blame the sampler; it travels
+    # as a field (splitrl.error_cause), the message only says it to people.
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    client = RewardClient(address, timeout_s=2.0, connect_timeout_s=2.0)
+    try:
+        with pytest.raises(RequestError) as e:
+            client.check_reachable()
+    finally:
+        client.close()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert e.value.cause is Cause.REWARD_UNAVAILABLE

@@ -23,6 +23,7 @@ from sampler_helpers import HERE, SamplerProcess, subprocess_env
 
 from splitrl import wire
 from splitrl.config import AuthConfig
+from splitrl.error_cause import Cause, cause_of
 from splitrl.serving import check_health, make_channel, start_server
 from splitrl.v1 import (
     common_pb2,
@@ -367,6 +368,7 @@ def test_a_dead_reward_service_is_unavailable(sampler, reward):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Rollout(request, timeout=60))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert cause_of(e.value) is Cause.REWARD_UNAVAILABLE  # what the trainer acts on
     assert "reward service at" in e.value.details() and "unavailable" in e.value.details()
     assert _generate(stub).weight_version == 2  # generation itself is unaffected
 

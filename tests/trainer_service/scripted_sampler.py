@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitrl.error_cause import Cause, abort
 from splitrl.serving import start_server
 from splitrl.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
 
@@ -27,7 +28,7 @@ class Script:
     capacity: int = 64
     fail_after: int | None = None  # abort with UNAVAILABLE after this many groups (once)
     behind: bool = False  # answer FAILED_PRECONDITION (weights older than asked)
-    reward_down: int = 0  # answer "reward service unavailable" this many times
+    reward_down: int = 0  # answer UNAVAILABLE, cause REWARD_UNAVAILABLE, this many times
     refuse_text: str = "BAD"  # INVALID_ARGUMENT for a request holding a prompt with this
     flat: bool = False  # every completion of a group gets the same reward
     architecture: str = "ScriptedForCausalLM"
@@ -73,9 +74,7 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
                           f"min_version is {request.min_version} but this sampler serves "
                           f"weight version {script.version}")
         if down:
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          "reward service at 127.0.0.1:1 is unavailable (UNAVAILABLE: down); "
-                          "rollouts cannot be scored")
+            abort(context, grpc.StatusCode.UNAVAILABLE, "scoring is down", Cause.REWARD_UNAVAILABLE)
         for i, prompt in enumerate(request.prompts):
             if script.refuse_text in prompt.text:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -13,8 +13,9 @@ How a call ends decides what happens next:
   or a push is on its way); it is re-synced, not blamed;
 - INVALID_ARGUMENT: the sampler refused the request as invalid; the queue isolates and, the
   second time, drops the prompt (no endless re-dispatch);
-- UNAVAILABLE naming the reward service: scoring is down, not the sampler; dispatching pauses
-  with an exponential back-off instead of re-sending in a tight loop;
+- UNAVAILABLE with the cause ``REWARD_UNAVAILABLE`` (``splitrl.error_cause``, in the trailing
+  metadata): scoring is down, not the sampler; dispatching pauses with an exponential back-off
+  instead of re-sending in a tight loop;
 - anything else (a dead process, a timeout): the sampler is suspect; the items go back to the
   queue for another sampler.
 """
@@ -29,6 +30,7 @@ import time
 import grpc
 
 from splitrl.config import SamplingConfig
+from splitrl.error_cause import Cause, cause_of
 from splitrl.reward_protocol import encode_columns
 from splitrl.v1 import common_pb2, sampler_pb2
 from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
@@ -227,7 +229,7 @@ class Dispatcher:
             self.pool.behind(handle, claim.min_version)
         elif code == grpc.StatusCode.INVALID_ARGUMENT:
             return Failure(message, refused=True)
-        elif code == grpc.StatusCode.UNAVAILABLE and "reward service" in details:
+        elif code == grpc.StatusCode.UNAVAILABLE and cause_of(e) == Cause.REWARD_UNAVAILABLE:
             self._back_off(details)
         elif code != grpc.StatusCode.CANCELLED or not self._stop.is_set():
             self.pool.report_failure(handle, message)
