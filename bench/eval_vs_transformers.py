@@ -31,17 +31,21 @@ def parse_args():
     ap.add_argument("--model", default=None, help="HF checkpoint directory (default: SmolLM2)")
     ap.add_argument("--limit", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=10, help="transformers' prompts per generate")
+    ap.add_argument("--batch", type=int, default=10,
+                    help="prompts per request (splitrl) and per generate call (transformers)")
     ap.add_argument("--out", default=None, help="where splitrl eval writes (default: a temp dir)")
     return ap.parse_args()
 
 
-def splitrl_eval(model: str, out: Path, limit: int, new_tokens: int) -> list[dict]:
+def splitrl_eval(model: str, out: Path, limit: int, new_tokens: int, batch: int) -> list[dict]:
+    """`splitrl eval` in a subprocess; its samplers take ``batch`` prompts per request (the
+    evaluation requests' size is sampler.max_batch_size), so one request stays well within
+    the dispatcher's time limit on a slow CPU."""
     cmd = [str(Path(sys.executable).with_name("splitrl")), "eval", model, "--limit", str(limit),
            "--out", str(out), "trainer.data.task=gsm8k", "trainer.data.chat_template=true",
            f"sampling.max_new_tokens={new_tokens}",
            f"sampler.max_sequence_length={new_tokens + 320}",
-           "services.num_samplers=1", f"sampler.max_batch_size={limit}",
+           "services.num_samplers=1", f"sampler.max_batch_size={batch}",
            "reward.functions=[{name: math_accuracy, weight: 1.0}]"]
     subprocess.run(cmd, check=True, cwd=REPO)
     lines = (out / "eval_completions.jsonl").read_text().splitlines()
@@ -91,7 +95,7 @@ def main():
         args.model = str(smollm2_checkpoint())
     out = Path(args.out or tempfile.mkdtemp(prefix="eval-vs-transformers-"))
     t0 = time.perf_counter()
-    records = splitrl_eval(args.model, out, args.limit, args.new_tokens)
+    records = splitrl_eval(args.model, out, args.limit, args.new_tokens, args.batch)
     t1 = time.perf_counter()
     prompts = [r["prompt"] for r in records]
     theirs = transformers_greedy(args.model, prompts, args.new_tokens, args.batch)
