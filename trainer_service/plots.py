@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from splitrl.extras import MissingExtra, require
 from splitrl.jsonl import read_jsonl
 
 PANELS = [
@@ -36,8 +37,7 @@ def load_matplotlib():
     """matplotlib's pyplot on the Agg backend (files only, no display). Its import is about
     half of what plotting a run costs: `splitrl up` calls this while the run trains, so
     only the drawing is left when it ends."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plots", "plotting a run")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -136,7 +136,7 @@ def _draw(ax, records: list[dict], keys: list[str], label: str) -> None:
 def main(run_dir: str) -> int:
     try:
         written = plot_run(run_dir)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, MissingExtra) as e:
         print(f"splitrl plot: {e}", file=sys.stderr)
         return 2
     for path in written:

@@ -196,9 +196,11 @@ def test_the_ca_bundle_reaches_the_build_stage_only():
 
 def test_no_test_extra_in_the_image():
     """torch (and the other test tools) stay out: the image installs the runtime dependencies
-    read from pyproject.toml, plus jax's accelerator extra, and the package with --no-deps."""
+    read from pyproject.toml with the CLI's extras (plots, k8s), plus jax's accelerator extra,
+    and the package with --no-deps."""
     installs = [rest for op, rest in instructions() if op == "RUN" and "pip install" in rest]
     joined = " ".join(installs)
-    assert "[test]" not in joined and "torch" not in joined
-    assert "['project']['dependencies']" in joined
+    assert "[test]" not in joined and "torch" not in joined and "['test']" not in joined
+    assert "p['dependencies']" in joined
+    assert all(f"['optional-dependencies']['{extra}']" in joined for extra in ("plots", "k8s"))
     assert "pip install --no-deps ." in joined
