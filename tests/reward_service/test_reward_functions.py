@@ -36,9 +36,10 @@ def test_math_accuracy(completion, reference, expected):
     assert one("math_accuracy", completion, reference) == expected
 
 
-def test_math_accuracy_explains_its_zeros():
+def test_math_accuracy_explains_every_score():
     assert one("math_accuracy", "no idea", "42").reason == "no answer found"
     assert one("math_accuracy", "\\boxed{41}", "42").reason == "wrong answer '41'"
+    assert one("math_accuracy", "\\boxed{42}", "42").reason == "answer '42'"
     with pytest.raises(ValueError, match="empty reference"):
         one("math_accuracy", "\\boxed{41}", "  ")
 

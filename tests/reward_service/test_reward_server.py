@@ -34,7 +34,7 @@ def assert_still_correct(stub):
     reply = score(stub, [item("so the answer is \\boxed{72}", "72", item_id="ok")],
                   ["math_accuracy"])
     assert reply.scores[0].scores["math_accuracy"] == 1.0
-    assert dict(reply.scores[0].reasons) == {}
+    assert dict(reply.scores[0].reasons) == {"math_accuracy": "answer '72'"}  # full marks say why
 
 
 def test_health_and_list_reward_functions(reward_stub):
