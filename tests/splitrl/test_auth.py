@@ -171,8 +171,11 @@ def test_splitrl_health_presents_the_configs_certificate(pki, mtls_server, tmp_p
                         str(pki.cert), "--tls-key", str(pki.key), "--tls-server-name",
                         SERVER_NAME)
     assert (flags.returncode, flags.stdout.strip()) == (0, "SERVING"), flags.stderr
-    refused = _health_cli(mtls_server.address, "--tls-ca", str(pki.ca))  # no certificate
-    assert (refused.returncode, refused.stdout.strip()) == (1, "NOT_SERVING")
+    # No client certificate: the server is there and refuses the handshake (exit 1), which is
+    # not "nothing accepts connections" (exit 3).
+    refused = _health_cli(mtls_server.address, "--tls-ca", str(pki.ca))
+    assert refused.returncode == 1, refused.stdout
+    assert refused.stdout.startswith("UNAVAILABLE: "), refused.stdout
     missing = _health_cli(mtls_server.address, "--tls-ca", str(tmp_path / "nope.pem"))
     assert missing.returncode == 2 and "services.auth.tls_ca" in missing.stderr
 
