@@ -122,7 +122,7 @@ def main() -> None:
         cfg.workers = args.workers
     # Only math_accuracy is measured (with its configured options and time limit, if any).
     configured = [f for f in cfg.functions if f.name == "math_accuracy"]
-    cfg.functions = configured or [RewardFunctionConfig("math_accuracy")]
+    cfg.functions = configured or [RewardFunctionConfig(name="math_accuracy")]
     gsm_limit, math_limit = (200, 100) if args.quick else (None, None)
     batches = {"gsm8k": gsm8k_batch(gsm_limit), "math": math_batch(math_limit)}
 

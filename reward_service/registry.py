@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reward_service import conventions
-from splitrl.reward_protocol import RESERVED_KEYWORDS  # noqa: F401  (re-exported)
 from splitrl.user_code import import_user_module
 
 RewardFn = Callable[..., Sequence[float]]

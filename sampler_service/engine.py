@@ -65,7 +65,7 @@ from splitrl.models import TransformerConfig, hf_from_state, state_from_hf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GeneratedSequence", "GenerationEngine", "GenerationRequest"]
+__all__ = ["GenerationEngine"]
 
 _COUNTERS = ("requests", "sequences", "prefills", "prefill_tokens", "prefill_padded_tokens",
              "tokens_generated", "segments", "decode_steps", "row_steps", "live_row_steps",

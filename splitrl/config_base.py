@@ -66,21 +66,15 @@ def load_yaml(text: str) -> Any:
 class Section(BaseModel):
     """A typed config section: strict types, no unknown keys, errors as :class:`ConfigError`.
 
-    Sections build like dataclasses (``MeshConfig(axes={"fsdp": 2})``, positional arguments in
-    field order) and compare by value.
+    Sections build from keyword arguments (``MeshConfig(axes={"fsdp": 2})``) and compare by
+    value.
     """
 
     # A docstring under each field is its description: `splitrl config --schema` shows it.
     model_config = ConfigDict(strict=True, extra="forbid", validate_default=False,
                               use_attribute_docstrings=True)
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        if args:
-            names = list(type(self).model_fields)
-            if len(args) > len(names):
-                raise ConfigError(f"{type(self).__name__}: expected at most {len(names)} "
-                                  f"positional values, got {len(args)}")
-            kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+    def __init__(self, **kwargs: Any):
         try:
             super().__init__(**kwargs)
         except ValidationError as e:

@@ -30,11 +30,10 @@ import grpc
 import grpc.experimental
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from splitrl.auth import (  # noqa: F401  (auth_metadata, resolve_token: re-exported)
+from splitrl.auth import (
     AUTH_METADATA_KEY,
     AuthError,
     CallGuard,
-    auth_metadata,
     channel_credentials,
     resolve_token,
     server_credentials,

@@ -29,9 +29,9 @@ import tempfile
 import threading
 from pathlib import Path
 
+from splitrl.auth import auth_metadata
 from splitrl.config import Config, load_config, validate
 from splitrl.retry import wait_until
-from splitrl.serving import auth_metadata
 from splitrl.tokenizer import load_tokenizer
 from trainer_service.orchestration.dispatcher import Dispatcher, sampling_params
 from trainer_service.orchestration.evaluation import (

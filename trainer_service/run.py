@@ -37,13 +37,13 @@ import jax
 import numpy as np
 
 from splitrl.agreement import agreed_settings
+from splitrl.auth import auth_metadata
 from splitrl.config import Config, dump_config, to_dict
 from splitrl.jsonl import JsonlAppender
 from splitrl.logs import set_context
 from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained, param_shapes
 from splitrl.retry import wait_until
-from splitrl.serving import auth_metadata
 from splitrl.tokenizer import decode, load_tokenizer
 from trainer_service.learning.batching import batch_length, build_train_batch
 from trainer_service.learning.checkpoints import Checkpointer, SaveFailed
@@ -423,7 +423,7 @@ class TrainerRun:
         cursor = ckpt.data_cursor
         self.data.load_state_dict(cursor["stream"])
         self.drawn = int(cursor["drawn"])
-        unfinished = [self._restored_item(d) for d in cursor["unfinished"]]
+        unfinished = [WorkItem.from_json(d) for d in cursor["unfinished"]]
         self.queue.add(sorted(unfinished, key=lambda i: i.seq))
         rolled_back = self.audit.roll_back_to(self.step)
         log.info("resumed from checkpoint", extra={
@@ -436,14 +436,6 @@ class TrainerRun:
                 f"{self.step}, the newest intact one: {newest - self.step} step(s) more to "
                 f"train again than from step {newest}; {rolled_back} audit record(s) rolled "
                 "back", extra={"skipped": [s for s, _ in skipped], "console": True})
-
-    def _restored_item(self, saved: dict) -> WorkItem:
-        item = WorkItem.from_json(saved)
-        if "seq" not in saved:  # a checkpoint from before items carried their draw number
-            item.seq = int(item.uid.rsplit("#", 1)[-1])
-        if "seed" not in saved:
-            item.seed = item_seed(self.cfg.trainer.seed, item.uid)
-        return item
 
     def _checkpoint(self, force: bool = False) -> None:
         """Params, optimizer state, step, version and the data position, which includes the

@@ -39,7 +39,6 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from splitrl.models.config import TransformerConfig
 from splitrl.models.layers import LoraFactor, LoraKey
@@ -253,17 +252,6 @@ def _merge_jit(spec: LoraSpec, weights, adapters):
         if isinstance(sharding, jax.sharding.NamedSharding):
             merged = jax.lax.with_sharding_constraint(merged, sharding)
         out[f"{target}.weight"] = merged
-    return out
-
-
-def adapter_params(model: CausalLM) -> dict[str, jax.Array]:
-    """``{adapter name: array}`` of the adapters attached to ``model``."""
-    state = nnx.state(model, nnx.Param)
-    out = {}
-    for path, var in nnx.to_flat_state(state):
-        name = ".".join(str(p) for p in path)
-        if name.endswith((A, B)):
-            out[name] = var.get_value()
     return out
 
 

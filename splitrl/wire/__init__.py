@@ -52,7 +52,7 @@ from splitrl.wire._adapters import (
     adapter_layouts,
     spec_from_header,
 )
-from splitrl.wire._assembler import ChunkAssembler, assemble
+from splitrl.wire._assembler import ChunkAssembler
 from splitrl.wire._core import (
     FLOAT_DTYPES,
     array_digest,
@@ -102,7 +102,7 @@ __all__ = [
     "ADAPTER_DTYPE", "adapter_header", "adapter_layouts", "spec_from_header",
     "BITMAP", "FLOAT_DTYPES", "RAW", "SPARSE", "BaseBlocks", "BlockSink", "Bounds",
     "ChunkAssembler", "Frame", "SenderBlock", "StagingPool", "TargetLayout", "WireError",
-    "array_digest", "assemble", "byte_view",
+    "array_digest", "byte_view",
     "check_targets", "checksum", "delta_apply", "delta_encode", "dtype_name",
     "has_nonfinite", "iter_push_frames", "iter_push_messages",
     "iter_region_chunks", "iter_region_frames", "iter_tensor_chunks", "iter_tensor_frames",

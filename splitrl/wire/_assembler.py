@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -486,24 +486,3 @@ class ChunkAssembler:
         if self.total_bytes is not None and self.bytes_received != self.total_bytes:
             raise WireError(_INVALID, f"received {self.bytes_received} bytes, header.total_bytes "
                             f"said {self.total_bytes}")
-
-    def complete_names(self) -> list[str]:
-        return [n for n, t in self._tensors.items() if t.complete]
-
-
-def assemble(
-    messages: Iterable[tensor_pb2.TensorChunk],
-    expected: Mapping[str, tuple[str, Sequence[int]]],
-    *,
-    version: int,
-    max_chunk_bytes: int,
-) -> dict[str, np.ndarray]:
-    """Assemble a whole set of chunks into ``{name: array}`` (tests, tools)."""
-    assembler = ChunkAssembler(expected, version=version, max_chunk_bytes=max_chunk_bytes)
-    out = {}
-    for chunk in messages:
-        done = assembler.add(chunk)
-        if done is not None:
-            out[done] = assembler.pop(done)
-    assembler.finish()
-    return out

@@ -137,15 +137,16 @@ def test_unknown_functions_fail_with_the_name():
 
 
 def test_config_is_checked_at_start():
-    dup = RewardConfig(functions=[RewardFunctionConfig("format"), RewardFunctionConfig("format")])
+    dup = RewardConfig(functions=[RewardFunctionConfig(name="format"),
+                                  RewardFunctionConfig(name="format")])
     with pytest.raises(ValueError, match=r"reward.functions\[1\].name: 'format' is configured"):
         specs_from_config(dup)
-    bad = RewardConfig(functions=[RewardFunctionConfig("length", options={"max_tokenz": 3})])
+    bad = RewardConfig(functions=[RewardFunctionConfig(name="length", options={"max_tokenz": 3})])
     with pytest.raises(ValueError, match=r"reward.functions\[0\]: .*max_tokenz"):
         specs_from_config(bad)
     specs = specs_from_config(RewardConfig(timeout_s=3.0, functions=[
-        RewardFunctionConfig("format", weight=0.5),
-        RewardFunctionConfig("exact_answer", timeout_s=1.0)]))
+        RewardFunctionConfig(name="format", weight=0.5),
+        RewardFunctionConfig(name="exact_answer", timeout_s=1.0)]))
     assert [(s.name, s.weight, s.timeout_s) for s in specs] == [
         ("format", 0.5, 3.0), ("exact_answer", 1.0, 1.0)]
 

@@ -138,9 +138,11 @@ def test_section_checks_name_the_key_where_the_section_is():
         load_config(None, ["trainer.mesh.axis={fsdp: 2}"])
 
 
-def test_sections_build_like_dataclasses_and_check_what_they_are_given():
-    assert RewardFunctionConfig("format", 0.5).weight == 0.5
-    assert OptimizerConfig(lr=0.1) == OptimizerConfig(0.1)
+def test_sections_build_from_keywords_and_check_what_they_are_given():
+    assert RewardFunctionConfig(name="format", weight=0.5).weight == 0.5
+    assert OptimizerConfig(lr=0.1) == OptimizerConfig(lr=0.1, b1=0.9)
+    with pytest.raises(TypeError):
+        OptimizerConfig(0.1)  # type: ignore[misc]  (keywords only: a field order is no API)
     with pytest.raises(ConfigError, match=r"^lr: expected a value > 0, got 0"):
         OptimizerConfig(lr=0)
     with pytest.raises(ConfigError, match=r"^mesh\.axes: expected at least one axis"):

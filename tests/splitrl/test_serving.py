@@ -11,11 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitrl.auth import AUTH_METADATA_KEY, auth_metadata
 from splitrl.config import AuthConfig
 from splitrl.serving import (
-    AUTH_METADATA_KEY,
     UNREACHABLE,
-    auth_metadata,
     check_health,
     health_status,
     make_channel,

@@ -103,7 +103,7 @@ def test_none_is_no_score_not_a_failure():
 
 
 def test_the_policy_is_configurable_and_checked():
-    cfg = RewardConfig(functions=[RewardFunctionConfig("exact")], max_error_fraction=0.5,
+    cfg = RewardConfig(functions=[RewardFunctionConfig(name="exact")], max_error_fraction=0.5,
                        first_batch_max_error_fraction=0.5)
     rc = RewardChecks.from_config(cfg)
     bad = {"exact": (0.0, BROKEN)}

@@ -459,7 +459,7 @@ class Learner:
     def check_checkpoint_meta(self, meta: dict[str, Any] | None, where: str = "checkpoint"
                               ) -> None:
         """ValueError unless a checkpoint saved with `meta` (`checkpoint_meta()`; None: saved
-        before LoRA existed, i.e. without) holds this learner's kind of train state."""
+        with no learner meta, i.e. without LoRA) holds this learner's kind of train state."""
         saved = (meta or {}).get("lora")
         mine = self.checkpoint_meta()["lora"]
         if saved is None and mine is None:

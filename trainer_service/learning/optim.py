@@ -54,12 +54,12 @@ def make_optimizer(
     Equal configs return the same objects, so jitted updates that take the transformation as
     a static argument are compiled once per configuration, not once per learner.
     """
-    return _make_optimizer(tuple(cfg.model_dump().values()), updates_per_step)
+    return _make_optimizer(tuple(cfg.model_dump().items()), updates_per_step)
 
 
 @functools.lru_cache(maxsize=64)
 def _make_optimizer(fields: tuple, updates_per_step: int):
-    cfg = OptimizerConfig(*fields)
+    cfg = OptimizerConfig(**dict(fields))
     schedule = make_schedule(cfg, updates_per_step)
     parts = []
     if cfg.max_grad_norm is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import time
 import uuid
@@ -443,7 +444,7 @@ class WeightPublisher:
             if self.lora is not None:
                 first.header.lora.CopyFrom(self.lora)
             reply = handle.stub.PushWeights(
-                _with_reset(_chain([first], messages), reset), timeout=self.timeout_s,
+                _with_reset(itertools.chain([first], messages), reset), timeout=self.timeout_s,
                 metadata=self.metadata)
         except grpc.RpcError as e:
             return handle, PushResult(handle.address, version, False,
@@ -467,8 +468,3 @@ def _data_address(handle: SamplerHandle) -> str:
     host = handle.address.rpartition(":")[0]
     port = handle.info.data_address.rpartition(":")[2]
     return f"{host}:{port}"
-
-
-def _chain(*iterables):
-    for iterable in iterables:
-        yield from iterable

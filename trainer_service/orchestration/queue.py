@@ -330,10 +330,6 @@ class RolloutQueue:
                 out[flight.sampler] = out.get(flight.sampler, 0) + len(flight.pending())
             return out
 
-    def requests_on(self, sampler: str) -> list[str]:
-        with self._cond:
-            return [r for r, f in self._inflight.items() if f.sampler == sampler]
-
     def has_queued(self) -> bool:
         with self._cond:
             return any(self._units.values())

@@ -51,10 +51,9 @@ class WorkItem:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkItem:
-        return cls(uid=d["uid"], row=d["row"], seq=int(d.get("seq", 0)),
-                   seed=int(d.get("seed", 0)), lane=d.get("lane", TRAIN),
-                   attempts=int(d.get("attempts", 0)), refusals=int(d.get("refusals", 0)),
-                   unit=None if d.get("unit") is None else int(d["unit"]))
+        return cls(uid=d["uid"], row=d["row"], seq=int(d["seq"]), seed=int(d["seed"]),
+                   lane=d["lane"], attempts=int(d["attempts"]), refusals=int(d["refusals"]),
+                   unit=None if d["unit"] is None else int(d["unit"]))
 
 
 @dataclass
