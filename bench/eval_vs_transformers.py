@@ -41,8 +41,9 @@ def splitrl_eval(model: str, out: Path, limit: int, new_tokens: int, batch: int)
     """`splitrl eval` in a subprocess; its samplers take ``batch`` prompts per request (the
     evaluation requests' size is sampler.max_batch_size), so one request stays well within
     the dispatcher's time limit on a slow CPU."""
-    cmd = [str(Path(sys.executable).with_name("splitrl")), "eval", model, "--limit", str(limit),
-           "--out", str(out), "trainer.data.task=gsm8k", "trainer.data.chat_template=true",
+    cmd = [str(Path(sys.executable).with_name("splitrl")), "eval", model, "--k", "",
+           "--limit", str(limit), "--out", str(out),
+           "trainer.data.task=gsm8k", "trainer.data.chat_template=true",
            f"sampling.max_new_tokens={new_tokens}",
            f"sampler.max_sequence_length={new_tokens + 320}",
            "services.num_samplers=1", f"sampler.max_batch_size={batch}",
