@@ -294,7 +294,7 @@ class WorkerPool:
         """A worker's next chunk: with several workers, half its share of the queue (the rest
         stays to balance uneven tasks and to be stolen from a stuck one); a lone worker has
         nobody to balance with and takes the whole queue, so a Score of a few groups is one
-        round trip to it instead of one per pair of groups (~1 ms each on two busy cores)."""
+        round trip to it instead of one per pair of groups."""
         workers = len(self._workers)
         share = len(self._queue) / (2 * workers if workers > 1 else 1)
         return min(MAX_CHUNK, max(1, math.ceil(share)))

@@ -21,8 +21,8 @@ thread and KV cache (of ``kv_cache_bytes`` each), on the same weights and compil
 Requests share the first batch not held by an exclusive request (one batch decodes them
 fastest); an exclusive request takes the first idle batch, so the reproducible requests of a
 step decode at the same time instead of one after the other. On XLA:CPU a program runs on
-its caller's thread, so two batches use two cores (the peers' workload: a step's two half
-requests in 39 ms instead of 67 ms); a batch's tokens do not depend on which batch it is.
+its caller's thread, so two batches use two cores (bench/README.md, "A synchronous step");
+a batch's tokens do not depend on which batch it is.
 
 Reproducibility: sample j of a prompt draws from keys of (the prompt's seed, j, the weight
 version it was admitted under) (see `sampling`), so a seed reproduces its samples whatever else

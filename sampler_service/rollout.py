@@ -88,7 +88,7 @@ class RewardClient:
 
         A blocking call: a request runs it on a scoring thread while its generation starts
         (a `future()` would start gRPC's channel polling thread for each request on an idle
-        channel: ~2-4 ms of the request's start, measured)."""
+        channel, at the start of the request)."""
         try:
             reply = self._health.Check(health_pb2.HealthCheckRequest(),
                                        timeout=self.connect_timeout_s)
@@ -488,8 +488,7 @@ class RolloutWorker:
 def _available(events: queue.SimpleQueue) -> list:
     """The next event (waiting for it) and every other one already queued: the groups a decode
     segment finishes arrive together, and are scored in one Score call rather than the first
-    alone and the rest after it (measured: one 5-10 ms call less on the critical path of a
-    step of the peers' workload)."""
+    alone and the rest after it (one Score call less on the critical path of a step)."""
     out = [events.get()]
     while True:
         try:

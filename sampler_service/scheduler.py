@@ -347,10 +347,10 @@ class Scheduler:
         """Slots a row may fill by the end of the next segment; by its end for the rows of an
         exclusive request. Those run alone, so nothing else will share the cache: laying it
         out once for the request's whole generation runs every segment on one decode program
-        (a growing cache takes one per width bucket it passes: on the peers' workload, 32 new
-        tokens after a 12-token prompt, two programs, ~2.4 s more of compilation on a cold
-        start, and a re-layout of the cache between the segments of every step). The cost, a
-        wider attention in the first segments, is what `lower` already plans for."""
+        (a growing cache takes one per width bucket it passes: a program more to compile on a
+        cold start for each, and a re-layout of the cache between the segments of every
+        step). The cost, a wider attention in the first segments, is what `lower` already
+        plans for."""
         if row.done:
             return max(row.length, 1)
         length = row.length or row.prompt_len

@@ -454,7 +454,7 @@ def make_channel(
     options += [("grpc.enable_retries", 1), ("grpc.service_config", SERVICE_CONFIG)]
     # A server stream (Rollout) is read on the thread that iterates it: without this option
     # the first call on an idle channel starts a polling thread that exits with the channel's
-    # last call (every synchronous step's first request paid ~1-2 ms for it, traced).
+    # last call, on the critical path of every synchronous step's first request.
     options.append((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1))
     creds = channel_credentials(auth)
     if creds is not None:

@@ -372,9 +372,9 @@ class ByteLevelBytes:
     cut inside a UTF-8 character really is, where its decoded text shows U+FFFD.
 
     ``ByteLevelBytes(tokenizer)(ids, skip_special)`` is None for other tokenizers. Each token's
-    bytes are worked out once and kept (an early policy writes such completions all the time:
-    computing them token by token through the tokenizer was ~80 us a completion, measured on
-    the sampler's scoring path)."""
+    bytes are worked out once and kept (an early policy writes such completions all the time,
+    and they are on the sampler's scoring path: not a round trip through the tokenizer per
+    token)."""
 
     def __init__(self, tokenizer):
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)

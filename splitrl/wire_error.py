@@ -1,7 +1,7 @@
 """The weight-transfer contract's error, in a module of its own so that raising it costs no
 import: the gRPC layer (``splitrl.serving``) raises it for an undecodable message of a push's
 request stream, in every service, while ``splitrl.wire`` itself pulls in numpy and jax (a
-lazy import there took 3-5 s inside the first such request on a loaded machine)."""
+lazy import there would be paid inside the first such request)."""
 
 from __future__ import annotations
 

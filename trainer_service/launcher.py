@@ -381,7 +381,7 @@ def check_data(cfg: Config) -> str | None:
     check dropped or truncated.
 
     The lengths need the tokenizer, and importing transformers to load it was most of a
-    launch's time before any service started (~1.5 s of ~2.5 s here). A check that passed is
+    launch's time before any service started (bench/README.md). A check that passed is
     remembered in the user cache under :func:`_length_check_key` (the rows, the tokenizer's
     files, the limits): a launch on the same data and tokenizer prints what that one printed
     and loads no tokenizer. The trainer checks the lengths itself either way."""

@@ -2,8 +2,8 @@
 target at a given batch size (`measure(rows)`).
 
 Nothing here re-implements a program: the trainer's are `Learner.lower_train_step` of a
-learner over abstract parameters, the sampler's is `GenerationEngine.lower_generate` of an
-engine built as `sampler_service.server.serve` builds it. Shapes are the worst case a run
+learner over abstract parameters, the sampler's are `Scheduler.lower` (prefill, admit, decode)
+of an engine built as `sampler_service.server.serve` builds it. Shapes are the worst case a run
 allows: the trainer's micro-batch at the longest sequence the samplers accept
 (`sampler.max_sequence_length`, bucketed as `learning.batching` buckets), the sampler's full
 batch (`sampler.max_batch_size` rows, groups of `algorithm.group_size`) with the longest prompt

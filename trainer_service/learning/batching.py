@@ -32,9 +32,8 @@ def bucket(n: int, minimum: int = 8) -> int:
 def batch_length(n: int, longest: int | None = None) -> int:
     """The padded length of a batch whose longest row has ``n`` tokens: its `bucket`, but not
     past ``longest``, the most tokens a row of the run can have (its longest prompt plus the
-    generation budget), when that is known. Padding past it would only be work (44 -> 48
-    tokens was 8% of a train step on the peers' workload), and a run's full-length batches
-    keep one shape all the same."""
+    generation budget), when that is known. Padding past it would only be work, and a run's
+    full-length batches keep one shape all the same."""
     size = bucket(n)
     return min(size, longest) if longest is not None and n <= longest else size
 
