@@ -1,0 +1,146 @@
+"""Compile time against depth: the train step and the decode program at 2 and at 32 layers.
+
+    JAX_PLATFORMS=cpu python bench/compile_depth.py [--model path/to/config.json] [KEY=VALUE ...]
+
+One model config (``--model``: a HF config.json; default: the ``tiny`` preset of
+`splitrl.init_model`, hidden 64) is compiled on this host's CPU at ``--shallow`` (2) and
+``--deep`` (32) layers, nothing else changed. The programs are the ones a run compiles, built
+the way `splitrl plan` builds them (`splitrl.planning.services`): the trainer's "grad_step"
+(forward, backward, accumulation) plus "apply_update" (the optax update), and the sampler's
+"decode" segment (also "prefill" and "admit", printed beside it). Batch shapes come from the
+run config (built-in defaults, a one-device mesh per service, and the small overrides below;
+pass ``KEY=VALUE`` to change them).
+
+Seconds are lowering (tracing, the depth-dependent part of building the program) plus XLA
+compilation, with the persistent compilation cache off, each depth in its own fresh process
+so neither warms the other. Prints the same ratio of process CPU seconds (steadier on a loaded
+machine), then, last line, of wall seconds:
+
+    compile seconds 32 layers / 2 layers: train X, decode Y
+
+A forward whose layers are unrolled grows its programs with depth; a scanned one compiles one
+layer body whatever the depth, so both ratios stay near 1. Wall-clock figures on a shared
+machine depend on the other processes: process CPU seconds and the load average are printed
+too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SMALL_RUN = [
+    "trainer.prompts_per_step=4", "algorithm.group_size=4", "sampler.max_batch_size=16",
+    "sampler.max_sequence_length=64", "sampling.max_new_tokens=16",
+]
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a HF config.json (default: the tiny preset)")
+    ap.add_argument("--shallow", type=int, default=2)
+    ap.add_argument("--deep", type=int, default=32)
+    ap.add_argument("--depth", type=int, help=argparse.SUPPRESS)  # one measurement (child)
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                    help="run config overrides on top of the small defaults")
+    return ap.parse_args()
+
+
+def model_config(path: str | None):
+    from splitrl.init_model import PRESETS
+    from splitrl.models import TransformerConfig
+
+    if path:
+        return TransformerConfig.from_hf_dict(json.loads(Path(path).read_text()))
+    p = PRESETS["tiny"]
+    return TransformerConfig(
+        family="qwen2", vocab_size=512, hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size, num_layers=p.num_layers, num_heads=p.num_heads,
+        num_kv_heads=p.num_kv_heads, head_dim=p.hidden_size // p.num_heads,
+        tie_word_embeddings=p.tie_word_embeddings, attention_bias=True,
+        max_position_embeddings=p.max_position_embeddings, eos_token_id=1, pad_token_id=0)
+
+
+def timed(fn):
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure(args) -> dict:
+    """Lower + compile every program at ``args.depth`` layers; {program: (wall, cpu)}."""
+    import jax
+
+    from splitrl.config import load_config
+    from splitrl.planning.services import SamplerPlanner, TrainerPlanner
+    from splitrl.planning.targets import cpu_target
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    cfg = load_config(None, SMALL_RUN + list(args.overrides))
+    config = dataclasses.replace(model_config(args.model), num_layers=args.depth)
+    target = cpu_target()
+    out = {}
+
+    trainer = TrainerPlanner(cfg, config, target)
+    lowered, wall, cpu = timed(lambda: trainer.learner.lower_train_step(trainer.rows,
+                                                                         trainer.length))
+    train_wall, train_cpu = wall, cpu  # one trace builds every program of the step
+    for low in lowered.values():
+        _, wall, cpu = timed(low.compile)
+        train_wall, train_cpu = train_wall + wall, train_cpu + cpu
+    out["train"] = (train_wall, train_cpu)
+
+    sampler = SamplerPlanner(cfg, config, target)
+    from sampler_service.requests import PinnedWeights
+
+    engine = sampler.engine
+    prompts = [[0] * sampler.prompt_length] * max(1, sampler.rows // sampler.group)
+    request = engine.new_request(prompts, sampler.options, sampler.group,
+                                 weights=PinnedWeights(0, sampler.state))
+    (lowered, _), wall, cpu = timed(lambda: engine.scheduler.lower(request))
+    share = (wall / len(lowered), cpu / len(lowered))  # lowering, split evenly
+    for name, low in lowered.items():
+        _, w, c = timed(low.compile)
+        out[name] = (w + share[0], c + share[1])
+    return out
+
+
+def main() -> int:
+    args = parse_args()
+    if args.depth is not None:
+        print(json.dumps(measure(args)))
+        return 0
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one CPU device: both services' meshes are that device
+    results = {}
+    for depth in (args.shallow, args.deep):
+        cmd = [sys.executable, __file__, "--depth", str(depth), *args.overrides]
+        if args.model:
+            cmd[2:2] = ["--model", args.model]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        if proc.returncode:
+            sys.stderr.write(proc.stderr)
+            return proc.returncode
+        results[depth] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"load average {os.getloadavg()[0]:.2f} (2 cores shared: wall seconds are noisy)")
+    print(f"{'program':<10} " + "  ".join(f"{d:>3} layers wall/cpu s" for d in results))
+    for name in results[args.shallow]:
+        cells = "  ".join(f"{results[d][name][0]:>9.2f} /{results[d][name][1]:>6.2f}"
+                          for d in results)
+        print(f"{name:<10} {cells}")
+    for what, i in (("CPU seconds", 1), ("seconds", 0)):  # the required line last
+        ratio = {n: results[args.deep][n][i] / results[args.shallow][n][i]
+                 for n in ("train", "decode")}
+        print(f"compile {what} {args.deep} layers / {args.shallow} layers: "
+              f"train {ratio['train']:.2f}, decode {ratio['decode']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
