@@ -1,15 +1,16 @@
 """The engine's compiled programs: prefill, admit (fill cache rows, draw first tokens), decode.
 
-All three run the model through its own forward (`CausalLM.forward_with`) with an attention
-backend: prefill with `splitrl.models.DenseAttention(keep_kv=True)` (causal over each padded
-prompt, returning every layer's keys/values), decode with `kv_cache.SlotDecodeAttention` (one
-token per row, written in place into the row's cache slot). Weights are an argument
+All three run the model through its own forward (`CausalLM.forward_with`, a scan over the
+stacked layers) with an attention backend: prefill with `DenseAttention.keeping_kv` (causal
+over each padded prompt, returning every layer's keys/values, stacked), decode with
+`kv_cache.SlotDecodeAttention` (one token per row, written in place into the row's cache slot
+of each layer). Weights are an argument
 (``state``), never a closure constant, so one compiled program serves every weight version of
 the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`.
 
 1. `prefill`: prompts packed into rows of W tokens (several short prompts share a row, each
    attending only to itself, so padding is what the packing leaves, not every prompt's gap
-   to the longest) -> each layer's k/v [B, W, K, Dh] and the hidden states [B, W, D]. A
+   to the longest) -> every layer's k/v [L, B, W, K, Dh] and the hidden states [B, W, D]. A
    prompt is prefilled once for its n rows.
 2. `admit`: copies each prompt's keys/values into the cache rows of its n completions and
    draws each row's first token from the logits after the prompt (draw index 0 of its key).
@@ -92,12 +93,13 @@ class Programs:
     def _prefill(self, leaves, tokens, positions, segments):
         """Packed prompts: tokens/positions/segments [B, W] (several prompts per row, each a
         run of one segment id, positions from 0; -1 = padding). Each token attends causally
-        within its own prompt. Returns (((k, v) [B, W, K, Dh] per layer), hidden [B, W, D])."""
+        within its own prompt. Returns ((k, v) [L, B, W, K, Dh], hidden [B, W, D])."""
         model = self.model(leaves)
         slots = jnp.arange(tokens.shape[1])
         same = segments[:, :, None] == segments[:, None, :]
         mask = same & (slots[None, :] <= slots[:, None])[None] & (segments >= 0)[:, None, :]
-        h, backend = model.forward_with(tokens, positions, DenseAttention(mask, keep_kv=True))
+        backend = DenseAttention.keeping_kv(mask, model.config, model.dtype)
+        h, backend = model.forward_with(tokens, positions, backend)
         return backend.kv, h
 
     def _admit(self, leaves, cache, kv, hidden, row_start, row_length, row_slot,
@@ -108,26 +110,24 @@ class Programs:
         the cache's rows marks a padding entry: dropped), and draws the row's first token
         from the hidden state after its prompt. Returns (cache, tokens, logprobs, stopped)."""
         model = self.model(leaves)
-        width = cache[0][0].shape[3]
+        k_cache, v_cache = cache
+        width = k_cache.shape[4]
         b, w = hidden.shape[:2]
         # Slot t of a row reads packed position start + t (past the prompt: masked garbage).
         index = jnp.minimum(row_start[:, None] + jnp.arange(width), b * w - 1)
-        out = []
-        for (k_cache, v_cache), (k, v) in zip(cache, kv, strict=True):
-            k = jnp.take(k.reshape(b * w, *k.shape[2:]), index, axis=0)  # [N, S, K, Dh]
-            v = jnp.take(v.reshape(b * w, *v.shape[2:]), index, axis=0)
-            k_cache = k_cache.at[row_slot].set(k.transpose(0, 2, 3, 1).astype(k_cache.dtype),
-                                               mode="drop")
-            v_cache = v_cache.at[row_slot].set(v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
-                                               mode="drop")
-            if sharding is not None:
-                k_cache = jax.lax.with_sharding_constraint(k_cache, sharding)
-                v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
-            out.append((k_cache, v_cache))
+        k, v = (jnp.take(x.reshape(x.shape[0], b * w, *x.shape[3:]), index, axis=1)
+                for x in kv)  # [L, N, S, K, Dh]
+        k_cache = k_cache.at[:, row_slot].set(k.transpose(0, 1, 3, 4, 2).astype(k_cache.dtype),
+                                              mode="drop")
+        v_cache = v_cache.at[:, row_slot].set(v.transpose(0, 1, 3, 2, 4).astype(v_cache.dtype),
+                                              mode="drop")
+        if sharding is not None:
+            k_cache = jax.lax.with_sharding_constraint(k_cache, sharding)
+            v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
         last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
         tokens, logprobs = _draw(model.logits(last), params, _row_keys(params),
                                  jnp.zeros(row_start.shape, jnp.int32), plan)
-        return tuple(out), tokens, logprobs, _is_stop(tokens, params.stop_ids)
+        return (k_cache, v_cache), tokens, logprobs, _is_stop(tokens, params.stop_ids)
 
     def _decode(self, leaves, cache, last_token, length, generated, live, params: RowParams,
                 steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,

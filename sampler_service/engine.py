@@ -124,8 +124,8 @@ class GenerationEngine:
             raise ValueError(
                 f"kv_cache_bytes {budget} holds no sequence of max_sequence_length "
                 f"{self.max_sequence_length} (one needs {need + need // probe.num_arrays} "
-                f"bytes: {probe.bytes_per_token} per token, plus one layer's keys or values "
-                "while the cache is resized)")
+                f"bytes: {probe.bytes_per_token} per token, plus its keys or its values, held "
+                "twice while the cache is resized)")
         self._lock = threading.Lock()
         self._stats: dict = dict.fromkeys(_COUNTERS, 0)
         self._stats.update(generate_seconds=0.0, prefill_seconds=0.0, decode_seconds=0.0,

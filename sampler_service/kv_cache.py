@@ -1,7 +1,9 @@
 """The decode KV cache: one contiguous row per sequence, resized between segments, under a budget.
 
-Layout, per layer: keys ``[R, K, Dh, S]`` (transposed, so the score reduction streams along
-contiguous slots) and values ``[R, K, S, Dh]``; R rows (one per sequence in flight), S slots.
+Layout: keys ``[L, R, K, Dh, S]`` (transposed, so the score reduction streams along contiguous
+slots) and values ``[L, R, K, S, Dh]``, every layer stacked on the leading axis as the model's
+weights are (its forward scans the layers, reading and writing layer l at a dynamic index);
+R rows (one per sequence in flight), S slots.
 Row r holds its sequence at slots ``[0, length_r)``: the prompt, then each generated token as
 it is fed back. Slots at or past a row's length hold stale (finite) values and are masked.
 
@@ -12,9 +14,10 @@ handful of compiled programs serve a run. Measured on XLA CPU: attention over a 
 of a wider cache is ~2x slower than over an array of exactly that width, hence the resize.
 
 Budget: ``budget_bytes`` bounds everything the cache holds at any moment, including the one
-array that is alive twice while a resize copies it. `SlotCache.fits` is the admission test; the
-engine reserves each sequence's *final* width (prompt + max_new_tokens) so a running batch
-never has to grow past the budget. `allocated_bytes` / `peak_bytes` are the accounting.
+array (all keys, or all values) that is alive twice while a resize copies it. `SlotCache.fits`
+is the admission test; the engine reserves each sequence's *final* width (prompt +
+max_new_tokens) so a running batch never has to grow past the budget. `allocated_bytes` /
+`peak_bytes` are the accounting.
 """
 
 from __future__ import annotations
@@ -66,12 +69,12 @@ class SlotCache:
         self.budget_bytes = int(budget_bytes)
         self.max_rows = int(max_rows)
         self.max_width = int(max_width)
-        self.num_arrays = 2 * config.num_layers
+        self.num_arrays = 2  # keys, values (each stacked over the layers)
         # keys + values of one token over all layers
-        self.bytes_per_token = (self.num_arrays * config.num_kv_heads * config.head_dim
-                                * self.dtype.itemsize)
+        self.bytes_per_token = (self.num_arrays * config.num_layers * config.num_kv_heads
+                                * config.head_dim * self.dtype.itemsize)
         self.shape: CacheShape | None = None
-        self.arrays: tuple | None = None  # ((k, v) per layer)
+        self.arrays: tuple | None = None  # (k [L,R,K,Dh,S], v [L,R,K,S,Dh])
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self._shardings: dict[int, NamedSharding] = {}
@@ -123,13 +126,14 @@ class SlotCache:
                 heads.append(name)
             elif rows % (size * int(np.prod([sizes[a] for a in batch] or [1]))) == 0:
                 batch.append(name)
-        spec = PartitionSpec(tuple(batch) or None, tuple(heads) or None, None, None)
+        spec = PartitionSpec(None, tuple(batch) or None, tuple(heads) or None, None, None)
         return NamedSharding(self.mesh, spec)
 
     def resize(self, shape: CacheShape, sources: np.ndarray) -> None:
         """Re-lay the cache as ``shape``: new row i takes old row ``sources[i]`` (-1: nothing
-        to keep), cut or padded to the new width. One array at a time, so at most one array
-        is alive twice; the first call allocates."""
+        to keep), cut or padded to the new width. The keys first, then the values, each old
+        array dropped once copied, so at most one array is alive twice; the first call
+        allocates."""
         if self.arrays is None:
             self.shape, self.arrays = shape, _zeros(self, shape)
             self._account(self.shape_bytes(shape))
@@ -138,25 +142,22 @@ class SlotCache:
         new_bytes = self.shape_bytes(shape) // self.num_arrays
         sharding = self.sharding(shape.rows)
         src = jnp.asarray(np.maximum(np.asarray(sources, np.int32), 0))
-        out, held = [], self.num_arrays * old_bytes
-        for k, v in self.arrays:
-            pair = []
-            for array, axis in ((k, 3), (v, 2)):
-                self._account(held + new_bytes)
-                pair.append(_relayout(array, src, width=shape.width, axis=axis,
-                                      sharding=sharding))
-                held += new_bytes - old_bytes
-            out.append(tuple(pair))
-        self.shape, self.arrays = shape, tuple(out)
+        arrays, held = list(self.arrays), self.num_arrays * old_bytes
+        self.arrays = None
+        for i, axis in ((0, 4), (1, 3)):  # keys' slots are their last axis, values' not
+            self._account(held + new_bytes)
+            arrays[i] = _relayout(arrays[i], src, width=shape.width, axis=axis,
+                                  sharding=sharding)
+            held += new_bytes - old_bytes
+        self.shape, self.arrays = shape, tuple(arrays)
         self._account(self.shape_bytes(shape))
 
     def abstract_arrays(self, shape: CacheShape) -> tuple:
         """The arrays of a cache of ``shape`` as sharded ShapeDtypeStructs (for lowering the
         programs ahead of time: nothing is allocated)."""
         sharding = self.sharding(shape.rows)
-        return tuple(tuple(jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding)
-                           for s in _array_shapes(self, shape))
-                     for _ in range(self.config.num_layers))
+        return tuple(jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding)
+                     for s in _array_shapes(self, shape))
 
     def release(self) -> None:
         """Drop the arrays (after a failed program, or when idle)."""
@@ -165,24 +166,23 @@ class SlotCache:
 
 
 def _array_shapes(cache: SlotCache, shape: CacheShape) -> tuple[tuple, tuple]:
-    """One layer's keys [R, K, Dh, S] and values [R, K, S, Dh]."""
+    """The keys [L, R, K, Dh, S] and values [L, R, K, S, Dh]."""
     c = cache.config
-    return ((shape.rows, c.num_kv_heads, c.head_dim, shape.width),
-            (shape.rows, c.num_kv_heads, shape.width, c.head_dim))
+    return ((c.num_layers, shape.rows, c.num_kv_heads, c.head_dim, shape.width),
+            (c.num_layers, shape.rows, c.num_kv_heads, shape.width, c.head_dim))
 
 
 def _zeros(cache: SlotCache, shape: CacheShape) -> tuple:
-    c = cache.config
     k_shape, v_shape = _array_shapes(cache, shape)
     sharding = cache.sharding(shape.rows)
-    make = jax.jit(lambda: tuple((jnp.zeros(k_shape, cache.dtype), jnp.zeros(v_shape, cache.dtype))
-                                 for _ in range(c.num_layers)), out_shardings=sharding)
+    make = jax.jit(lambda: (jnp.zeros(k_shape, cache.dtype), jnp.zeros(v_shape, cache.dtype)),
+                   out_shardings=sharding)
     return make()
 
 
 @functools.partial(jax.jit, static_argnames=("width", "axis", "sharding"))
 def _relayout(array, sources, *, width, axis, sharding):
-    out = jnp.take(array, sources, axis=0)
+    out = jnp.take(array, sources, axis=1)
     have = out.shape[axis]
     if width < have:
         out = jax.lax.slice_in_dim(out, 0, width, axis=axis)
@@ -202,21 +202,21 @@ class SlotDecodeAttention:
     """The `splitrl.models` attention backend of one decode step over a `SlotCache`.
 
     Each row feeds one token: its key/value is written in place at slot ``write[r]`` of its
-    row, then the query attends to the row's slots ``< write[r] + 1``.
+    row in layer ``layer`` (a traced index: the model scans its layers), then the query
+    attends to the row's slots ``< write[r] + 1`` of that layer.
     """
 
-    cache: tuple  # ((k [R,K,Dh,S], v [R,K,S,Dh]) per layer)
+    cache: tuple  # (k [L,R,K,Dh,S], v [L,R,K,S,Dh])
     write: jax.Array  # [R] int32
     sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def attend(self, layer, q, k, v):
-        k_cache, v_cache = self.cache[layer]
-        rows = jnp.arange(k_cache.shape[0])
-        k_cache = k_cache.at[rows, :, :, self.write].set(k[:, 0].astype(k_cache.dtype))
-        v_cache = v_cache.at[rows, :, self.write, :].set(v[:, 0].astype(v_cache.dtype))
+        k_cache, v_cache = self.cache
+        rows = jnp.arange(k_cache.shape[1])
+        k_cache = k_cache.at[layer, rows, :, :, self.write].set(k[:, 0].astype(k_cache.dtype))
+        v_cache = v_cache.at[layer, rows, :, self.write, :].set(v[:, 0].astype(v_cache.dtype))
         if self.sharding is not None:
             k_cache = jax.lax.with_sharding_constraint(k_cache, self.sharding)
             v_cache = jax.lax.with_sharding_constraint(v_cache, self.sharding)
-        out = slot_attend(q[:, 0], k_cache, v_cache, self.write + 1)
-        cache = self.cache[:layer] + ((k_cache, v_cache),) + self.cache[layer + 1:]
-        return out[:, None], dataclasses.replace(self, cache=cache)
+        out = slot_attend(q[:, 0], k_cache[layer], v_cache[layer], self.write + 1)
+        return out[:, None], dataclasses.replace(self, cache=(k_cache, v_cache))

@@ -114,6 +114,12 @@ class ModelSection(Section):
     logprob_chunk_size: PositiveInt = 256
     """Tokens per chunk when the trainer computes log-probabilities over the vocabulary (bounds the
     logits held at once)."""
+    remat: Literal["none", "full", "save_dots"] = "none"
+    """What the train step's backward pass keeps of each decoder layer: "none" every activation
+    (the fastest backward, the most memory), "full" only each layer's input (the layer is
+    recomputed: activation memory of one layer), "save_dots" the layers' matmul outputs
+    (recomputes the elementwise ops and attention's score products). bench/remat.py measures
+    what each costs and saves."""
     lora: LoraConfig | None = None
     """LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on."""
 

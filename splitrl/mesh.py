@@ -10,7 +10,10 @@ Partition rules are a small table from name to *role*; a role says which dimensi
 parallelism splits (Megatron-style: column-parallel projections split their output features,
 row-parallel ones their input features, embeddings and the LM head their vocabulary), and fsdp
 splits the largest remaining dimension. A dimension that does not divide by the axis size
-stays whole, so any model fits any mesh; ``explain_layout`` shows what landed where.
+stays whole, so any model fits any mesh; ``explain_layout`` shows what landed where. The
+decoder layers' parameters are stacked on a leading layer axis (``model.layers.<...>``, see
+``splitrl.models.stacking``): the rules apply to the dimensions after it, and the layer axis
+itself is never split (the forward scans over it, one layer at a time).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from splitrl.config import ConfigError, MeshConfig
+from splitrl.models.stacking import is_stacked, layer_name
 
 FSDP_AXIS = "fsdp"
 TENSOR_AXIS = "tensor"
@@ -104,6 +108,9 @@ def partition_spec(
     ``strategy`` restricts which axes are used: "fsdp", "tp" or "replicated"; None uses every
     parameter axis the mesh has ("fsdp" and/or "tensor"; other axes such as "data" replicate).
     """
+    if is_stacked(name) and len(shape) >= 1:  # the layer axis stays whole
+        one_layer = layer_name(name, 0)  # laid out as one layer is
+        return PartitionSpec(None, *partition_spec(one_layer, shape[1:], mesh, strategy))
     axes = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
     use_tp = TENSOR_AXIS in axes and strategy in (None, "tp") and axes[TENSOR_AXIS] > 1
     use_fsdp = FSDP_AXIS in axes and strategy in (None, "fsdp") and axes[FSDP_AXIS] > 1

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-search", action="store_true",
                    help="compile the configured batch only (no search for the largest)")
     p.add_argument("--extrapolate-layers", action="store_true",
-                   help="compile the model cut to 1 and to 2 layers and extrapolate linearly "
+                   help="compile the model cut to 2 and to 3 layers and extrapolate linearly "
                    "to its depth: minutes instead of hours for 70B (parameters, optimizer "
                    "state, gradients, KV cache exact; temporaries approximate)")
     p.add_argument("--json", action="store_true", help="print the reports as JSON")

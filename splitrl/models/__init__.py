@@ -1,9 +1,12 @@
 """Hugging Face-compatible causal LMs (Llama 3, Qwen2/2.5, Qwen3) in flax.nnx.
 
-Parameters carry their HF names (`model.layers.0.self_attn.q_proj.weight`, ...), so
-checkpoints, trainer state, sampler state, partition rules and the wire share one naming (see
-`param_names`). Shapes follow flax: Linear weights are [in, out] (`lm_head.weight` [D, V]), the
-embedding [V, D]; only checkpoint files (`save_pretrained`, `hf_state_dict`) use torch's [out, in].
+Parameters carry their HF names with the decoder layers stacked on a leading layer axis
+(`model.layers.self_attn.q_proj.weight` [L, in, out] holds HF's `model.layers.{i}.self_attn.
+q_proj.weight` of every layer i, see `stacking.py`), so trainer state, sampler state, partition
+rules and the wire share one naming (see `param_names`), and the layers run under a scan.
+Shapes follow flax: Linear weights are [in, out] (`lm_head.weight` [D, V]), the embedding
+[V, D]; only checkpoint files (`save_pretrained`, `hf_state_dict`, `checkpoint_shapes`) hold
+one tensor per layer in torch's [out, in].
 
     model = from_pretrained("/path/to/hf_dir")            # or init_random(config, seed)
     logits, _ = model(tokens, positions, attention_mask=mask)
@@ -37,6 +40,7 @@ from splitrl.models.config import RopeScaling, TransformerConfig
 from splitrl.models.hf_io import from_pretrained, load_config, save_pretrained
 from splitrl.models.logprobs import logprobs_from_hidden, token_logprobs
 from splitrl.models.params import (
+    checkpoint_shapes,
     from_hf_state_dict,
     hf_from_state,
     hf_state_dict,
@@ -59,6 +63,7 @@ __all__ = [
     "abstract_model",
     "apply",
     "causal_mask",
+    "checkpoint_shapes",
     "dense_attend",
     "attend",
     "blockwise_attend",

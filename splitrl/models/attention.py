@@ -7,6 +7,9 @@ RoPE, then hands the post-RoPE ``q [B,T,H,Dh]``, ``k/v [B,T,K,Dh]`` to an *atten
 
 The backend decides which keys the queries see and where keys/values are kept, and returns
 itself updated (a pytree, so it threads through `jit`, `lax.while_loop` and `jax.checkpoint`).
+The layers run under a `lax.scan` with the backend in its carry, so ``layer`` is a traced
+int32 scalar: a backend keeps its per-layer arrays stacked on a leading layer axis and reads
+and writes them at a dynamic index.
 Everything else about the model (projections, norms, RoPE, MLP, residuals) exists once, in
 `layers.py` / `transformer.py`, and is shared by the trainer and every cache layout.
 
@@ -16,8 +19,9 @@ scoring, prefill) and `slot_attend` (one decode query per row over a slot cache)
 
 Backends here:
 - `DenseAttention`: attend over the T given tokens under an explicit mask [B,T,T] (training,
-  scoring, a prefill); with ``keep_kv`` it also returns each layer's keys/values, which is how
-  a generation engine fills a cache of its own layout from one prefill.
+  scoring, a prefill); built with `DenseAttention.keeping_kv` it also returns every layer's
+  keys/values, which is how a generation engine fills a cache of its own layout from one
+  prefill.
 - `KVCacheAttention`: the static-shape `KVCache` of `cache.py` (write at a slot, read the
   whole layer), behind `CausalLM.__call__(..., cache=, cache_index=)`.
 
@@ -34,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from splitrl.models.cache import KVCache
+from splitrl.models.config import TransformerConfig
 
 # Large finite negative instead of -inf: a query with no visible key (a left-padding row)
 # then gets a uniform distribution rather than NaNs that would poison gradients.
@@ -195,19 +200,29 @@ def causal_mask(query_slots, key_slots, key_valid) -> jax.Array:
 class DenseAttention:
     """Attention over the given tokens under ``mask`` [B,T,T] (True = may attend).
 
-    With ``keep_kv=True`` the returned backend's ``kv`` holds ``(k, v)`` [B,T,K,Dh] of every
-    layer, in layer order (e.g. to fill a generation cache from a prefill).
+    With ``kv`` (see `keeping_kv`) the returned backend's ``kv`` holds ``(k, v)``
+    [L,B,T,K,Dh]: every layer's keys and values (e.g. to fill a generation cache from a
+    prefill).
     """
 
     mask: jax.Array
-    kv: tuple = ()
-    keep_kv: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    kv: tuple | None = None
+
+    @classmethod
+    def keeping_kv(cls, mask: jax.Array, config: TransformerConfig, dtype) -> DenseAttention:
+        """A backend that also collects every layer's keys/values (in ``dtype``)."""
+        b, t = mask.shape[:2]
+        shape = (config.num_layers, b, t, config.num_kv_heads, config.head_dim)
+        return cls(mask, (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
 
     def attend(self, layer, q, k, v):
         out = attend(q, k, v, self.mask)
-        if not self.keep_kv:
+        if self.kv is None:
             return out, self
-        return out, dataclasses.replace(self, kv=self.kv + ((k, v),))
+        k_all, v_all = self.kv
+        k_all = jax.lax.dynamic_update_index_in_dim(k_all, k.astype(k_all.dtype), layer, 0)
+        v_all = jax.lax.dynamic_update_index_in_dim(v_all, v.astype(v_all.dtype), layer, 0)
+        return out, dataclasses.replace(self, kv=(k_all, v_all))
 
 
 @jax.tree_util.register_dataclass

@@ -8,6 +8,7 @@ we save and we load what it saves.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -19,17 +20,22 @@ from pathlib import Path
 import crc32c
 import jax
 import jax.numpy as jnp
+import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from splitrl.model_path import checkpoint_dir
 from splitrl.models.config import TransformerConfig
 from splitrl.models.params import (
+    check_checkpoint_names,
     hf_state_dict,
     import_tensor,
     model_from_state,
+    param_shapes,
+    place,
     state_from_hf,
 )
+from splitrl.models.stacking import per_layer_names
 from splitrl.models.transformer import CausalLM
 
 SINGLE_FILE = "model.safetensors"
@@ -60,28 +66,42 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=N
                     shardings: Mapping[str, jax.sharding.Sharding] | None = None) -> CausalLM:
     """Loads a local HF checkpoint directory as a `CausalLM` computing in `dtype`.
 
-    Parameters are stored in `param_dtype` (default: `dtype`). With `shardings`
-    (`{hf_name: Sharding}` for the model-layout shapes, e.g. `splitrl.mesh.param_shardings`)
-    each tensor is placed as it is read, so the full model never sits on one device. Rotary
-    `inv_freq` buffers and a redundant `lm_head.weight` of a tied model are ignored, as
-    transformers does; any other missing or unknown tensor, or a wrong shape, raises a
-    ValueError naming it. A hub id is read from the hub's snapshot (its cache when offline);
-    a path that names no checkpoint raises `splitrl.model_path.ModelPathError` saying what is
-    missing where.
+    Parameters are stored in `param_dtype` (default: `dtype`), the decoder layers' tensors
+    stacked (see `stacking.py`). With `shardings` (`{name: Sharding}` for the model-layout
+    shapes, e.g. `splitrl.mesh.param_shardings`) each parameter is placed as it is read, so
+    the full model never sits on one device, nor in host memory (one stacked parameter at a
+    time). Rotary `inv_freq` buffers and a redundant `lm_head.weight` of a tied model are
+    ignored, as transformers does; any other missing or unknown tensor, or a wrong shape,
+    raises a ValueError naming it. A hub id is read from the hub's snapshot (its cache when
+    offline); a path that names no checkpoint raises `splitrl.model_path.ModelPathError`
+    saying what is missing where.
     """
     path = checkpoint_dir(path)
     config = load_config(path)
     param_dtype = dtype if param_dtype is None else param_dtype
     shardings = shardings or {}
-    flat = {}
     try:
+        files = {}  # HF name -> its file
         for file, names in _weight_files(Path(path)).items():
-            with safe_open(str(file), framework="numpy") as f:
-                for name in names if names is not None else f.keys():
-                    if not _ignored(config, name):
-                        flat[name] = import_tensor(config, name, f.get_tensor(name),
-                                                   param_dtype=param_dtype,
-                                                   sharding=shardings.get(name))
+            if names is None:
+                with safe_open(str(file), framework="numpy") as f:
+                    names = list(f.keys())
+            files.update({name: file for name in names if not _ignored(config, name)})
+        check_checkpoint_names(config, files)
+        with contextlib.ExitStack() as stack:
+            handles = {file: stack.enter_context(safe_open(str(file), framework="numpy"))
+                       for file in set(files.values())}
+
+            def read(name):
+                return import_tensor(config, name, handles[files[name]].get_tensor(name),
+                                     param_dtype=param_dtype)
+
+            flat = {}
+            for name in param_shapes(config):
+                layers = per_layer_names([name], config.num_layers)
+                host = (read(name) if layers == [name]
+                        else np.stack([read(layer) for layer in layers]))
+                flat[name] = place(host, shardings.get(name))
         state = state_from_hf(config, flat)
     except ValueError as e:
         raise ValueError(f"checkpoint {path}: {e}") from None

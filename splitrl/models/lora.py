@@ -1,11 +1,15 @@
 """LoRA adapters on the models' Linear modules, in PEFT's conventions.
 
-An adapter of the Linear module ``M`` (an HF module name such as
-``model.layers.0.self_attn.q_proj``) is two tensors, named like PEFT's saved keys without
-PEFT's ``base_model.model.`` prefix::
+An adapter of the Linear module ``M`` (a model-layout module name such as
+``model.layers.self_attn.q_proj``, the q projection of every decoder layer, stacked: see
+`stacking.py`; or ``lm_head``) is two tensors, named like PEFT's saved keys without PEFT's
+``base_model.model.`` prefix and with the decoder layers stacked like the weights::
 
-    M.lora_A.weight   [in, r]    (model layout; PEFT/torch store the transpose [r, in])
-    M.lora_B.weight   [r, out]   (PEFT: [out, r])
+    M.lora_A.weight   [L, in, r]    (model layout; PEFT/torch store the transpose [r, in] of
+                                     each layer, under model.layers.{i}.<...>.lora_A.weight)
+    M.lora_B.weight   [L, r, out]   (PEFT: [out, r] per layer)
+
+(``lm_head``'s have no layer axis.)
 
 and the adapted module computes ``y = x W + scale * dropout(x) A B`` with
 ``scale = alpha / rank`` (PEFT's default scaling). ``B`` starts at zero and ``A`` as PEFT
@@ -27,6 +31,10 @@ name (``re.fullmatch``; matching ``M.weight``, the parameter's name, counts too,
 patterns over parameter paths work), a list names modules exactly or by suffix (``"q_proj"``
 matches every ``...q_proj``). Only Linear modules can be targeted (the projections and an untied
 ``lm_head``). A pattern that matches nothing is an error naming the pattern and the modules.
+Patterns are matched against the per-layer HF module names, as PEFT matches them; since the
+layers are stacked and scanned, a decoder-layer module is adapted in every layer or in none
+(a pattern selecting some layers only is an error saying so, like PEFT's
+``layers_to_transform``, which is refused too).
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ import numpy as np
 
 from splitrl.models.config import TransformerConfig
 from splitrl.models.layers import LoraFactor, LoraKey
-from splitrl.models.params import is_linear_weight, param_shapes
+from splitrl.models.params import checkpoint_shapes, is_linear_weight, param_shapes
+from splitrl.models.stacking import is_stacked, split_layer
 from splitrl.models.transformer import CausalLM
 
 A, B = "lora_A.weight", "lora_B.weight"
@@ -91,22 +100,30 @@ class LoraSpec:
             if weight is None or not is_linear_weight(f"{target}.weight"):
                 raise ValueError(f"LoRA target {target!r} is not a Linear module of "
                                  f"{config.architecture} (its modules: "
-                                 f"{_short(linear_modules(config))})")
-            fan_in, fan_out = weight.shape
-            out[f"{target}.{A}"] = (fan_in, self.rank)
-            out[f"{target}.{B}"] = (self.rank, fan_out)
+                                 f"{_short(_stacked_linear_modules(config))})")
+            *layers, fan_in, fan_out = weight.shape
+            out[f"{target}.{A}"] = (*layers, fan_in, self.rank)
+            out[f"{target}.{B}"] = (*layers, self.rank, fan_out)
         return dict(sorted(out.items()))
 
 
 def linear_modules(config: TransformerConfig) -> list[str]:
-    """HF names of the model's Linear modules (what LoRA can target), sorted."""
+    """HF names of the model's Linear modules, one per layer (what PEFT patterns match),
+    sorted."""
+    return sorted(n[: -len(".weight")] for n in checkpoint_shapes(config)
+                  if n.endswith(".weight") and is_linear_weight(n))
+
+
+def _stacked_linear_modules(config: TransformerConfig) -> list[str]:
+    """Model-layout names of the Linear modules (what adapters attach to), sorted."""
     return sorted(n[: -len(".weight")] for n in param_shapes(config)
                   if n.endswith(".weight") and is_linear_weight(n))
 
 
 def resolve_targets(config: TransformerConfig, target_modules: str | Sequence[str]) -> tuple:
-    """The Linear modules ``target_modules`` selects (PEFT's matching rules, see the module
-    docstring); ValueError naming the pattern and the modules when it selects none."""
+    """The Linear modules ``target_modules`` selects (PEFT's matching rules over the per-layer
+    HF module names, see the module docstring), as model-layout module names; ValueError
+    naming the pattern and the modules when it selects none, or some layers of a module only."""
     modules = linear_modules(config)
     if isinstance(target_modules, str):
         try:
@@ -125,7 +142,18 @@ def resolve_targets(config: TransformerConfig, target_modules: str | Sequence[st
             f"{config.architecture}: {_short(modules, 12)} (a regex must match a whole module "
             "name, as in PEFT, e.g. '.*(q_proj|v_proj)'; a list names modules or their last "
             "part, e.g. ['q_proj', 'v_proj'])")
-    return tuple(chosen)
+    layers: dict[str, set] = {}
+    for module in chosen:
+        stacked, layer = split_layer(module)
+        layers.setdefault(stacked, set()).add(layer)
+    for stacked, chosen_layers in sorted(layers.items()):
+        if is_stacked(stacked) and len(chosen_layers) != config.num_layers:
+            raise ValueError(
+                f"LoRA target_modules {target_modules!r} selects {stacked[len('model.'):]} in "
+                f"layers {sorted(chosen_layers)} of {config.num_layers} only: the decoder "
+                "layers are stacked and scanned, so a layer module is adapted in every layer "
+                "or in none")
+    return tuple(sorted(layers))
 
 
 def init_adapters(config: TransformerConfig, spec: LoraSpec, seed: int = 0
@@ -136,7 +164,7 @@ def init_adapters(config: TransformerConfig, spec: LoraSpec, seed: int = 0
     out = {}
     for name, shape in spec.shapes(config).items():
         if name.endswith(A):
-            bound = 1.0 / np.sqrt(shape[0])
+            bound = 1.0 / np.sqrt(shape[-2])
             out[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
         else:
             out[name] = np.zeros(shape, np.float32)
@@ -209,21 +237,25 @@ def attach(model: CausalLM, spec: LoraSpec, adapters: Mapping[str, jax.Array],
         linear.lora_scale = spec.scale
         if use_dropout:
             linear.lora_dropout = spec.dropout
-            linear.lora_key = LoraKey(jax.random.fold_in(dropout_key, i))
+            key = jax.random.fold_in(dropout_key, i)
+            if is_stacked(target):  # one key per layer, stacked like the module's weights
+                key = jax.random.split(key, model.config.num_layers)
+            linear.lora_key = LoraKey(key)
     return model
 
 
 def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
-    """``w + scale * a @ b`` in float32, cast back to ``w``'s dtype.
+    """``w + scale * a @ b`` in float32, cast back to ``w``'s dtype (any leading layer axes
+    are batch axes: ``w`` [..., in, out], ``a`` [..., in, r], ``b`` [..., r, out]).
 
     The product is summed over the rank one outer product at a time (elementwise ops only):
     each element is then the same sequence of IEEE operations on any sharding and any device
     count, which is what makes a sampler's merge bitwise equal to the trainer's.
     """
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    acc = a[:, 0:1] * b[0:1, :]
-    for k in range(1, a.shape[1]):
-        acc = acc + a[:, k : k + 1] * b[k : k + 1, :]
+    acc = a[..., :, 0:1] * b[..., 0:1, :]
+    for k in range(1, a.shape[-1]):
+        acc = acc + a[..., :, k : k + 1] * b[..., k : k + 1, :]
     return (w.astype(jnp.float32) + jnp.float32(scale) * acc).astype(w.dtype)
 
 

@@ -1,12 +1,14 @@
 """Parameters by Hugging Face name: flat `{hf_name: array}` views of a model's state.
 
 Trainer, sampler, partition rules and the wire identify every tensor by its HF name. Two
-layouts exist under those names (see `layers.py`):
+layouts exist under those names (see `layers.py` and `stacking.py`):
 
 - model layout (`hf_from_state` / `state_from_hf` / `param_shapes`): the nnx state as is,
-  Linear weights [in, out]. This is what trainer and sampler exchange; no copies.
+  Linear weights [in, out], decoder layers stacked (`model.layers.mlp.up_proj.weight`
+  [L, in, out]). This is what trainer and sampler exchange; no copies.
 - torch layout (`hf_state_dict` / `from_hf_state_dict` / `load_hf_state_dict`): exactly the
-  tensors of a HF checkpoint, Linear weights [out, in], for export and checkpoint files.
+  tensors of a HF checkpoint, one per layer (`model.layers.3.mlp.up_proj.weight`), Linear
+  weights [out, in], for export and checkpoint files.
 
 Conversions check names and shapes, so a bad push or a broken checkpoint fails with a message
 naming the tensor instead of producing wrong weights.
@@ -23,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from splitrl.models.config import TransformerConfig
+from splitrl.models.stacking import per_layer_names, stack_layers, unstack_layers
 from splitrl.models.transformer import CausalLM, abstract_model
 
 
@@ -61,9 +64,25 @@ def param_shapes(config: TransformerConfig,
 
 
 def param_names(model_or_config: CausalLM | TransformerConfig) -> list[str]:
-    """Sorted HF names of all parameters (untied models include `lm_head.weight`)."""
+    """Sorted model-layout names of all parameters (untied models include `lm_head.weight`)."""
     config = getattr(model_or_config, "config", model_or_config)
     return list(param_shapes(config))
+
+
+@functools.lru_cache(maxsize=32)
+def checkpoint_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of every tensor of the model's HF checkpoint (torch layout, one per
+    layer), sorted by name."""
+    out = {}
+    for name, value in param_shapes(config).items():
+        shape = tuple(value.shape)
+        per_layer = per_layer_names([name], config.num_layers)
+        if len(per_layer) > 1 or per_layer[0] != name:
+            shape = shape[1:]
+        if is_linear_weight(name):
+            shape = shape[::-1]
+        out.update(dict.fromkeys(per_layer, shape))
+    return dict(sorted(out.items()))
 
 
 def hf_from_state(state: nnx.State) -> dict[str, jax.Array]:
@@ -136,31 +155,33 @@ def _state_template(config: TransformerConfig) -> tuple:
     return treedef, tuple(names), tuple(shapes[n] for n in names)
 
 
-def import_tensor(config: TransformerConfig, name: str, tensor, *, param_dtype=None,
-                  sharding: jax.sharding.Sharding | None = None) -> jax.Array:
-    """One HF checkpoint tensor (torch layout) -> model layout, cast and optionally placed.
+def import_tensor(config: TransformerConfig, name: str, tensor, *,
+                  param_dtype=None) -> np.ndarray:
+    """One HF checkpoint tensor (torch layout) -> a host array in model layout (per layer),
+    cast to `param_dtype`. Checks the torch-layout shape of known names (unknown names are
+    reported by the caller, all together)."""
+    want = checkpoint_shapes(config).get(name)
+    if want is not None and tuple(tensor.shape) != want:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}")
+    host = from_torch_layout(name, np.asarray(jax.device_get(tensor)))
+    return host if param_dtype is None else host.astype(param_dtype)
 
-    Checks the torch-layout shape of known names (unknown names are reported later, all
-    together, by `state_from_hf`).
-    """
-    expected = param_shapes(config).get(name)
-    if expected is not None:
-        want = tuple(expected.shape)[::-1] if is_linear_weight(name) else tuple(expected.shape)
-        if tuple(tensor.shape) != want:
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {want}")
-    if isinstance(tensor, np.ndarray) and jax.default_backend() == "cpu":
-        # CPU devices are host memory: a numpy transpose and cast cost the same copy as XLA's,
-        # without compiling one small program per tensor shape (`jnp.asarray` stages the array
-        # through a program, and so does `.T`) in every process that loads the model.
-        host = from_torch_layout(name, tensor)
-        if param_dtype is not None:
-            host = host.astype(param_dtype)
-        return jax.device_put(np.ascontiguousarray(host), sharding, may_alias=False)
-    tensor = from_torch_layout(name, jax.device_put(tensor))
-    if param_dtype is not None:
-        tensor = tensor.astype(param_dtype)
-    return tensor if sharding is None else jax.device_put(tensor, sharding)
+
+def check_checkpoint_names(config: TransformerConfig, names) -> None:
+    """ValueError naming the missing and unexpected tensors unless ``names`` (HF names) are
+    exactly the model's checkpoint tensors."""
+    want = checkpoint_shapes(config)
+    missing = sorted(set(want) - set(names))
+    unexpected = sorted(set(names) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"parameter names do not match {config.architecture}: "
+                         f"missing {_short(missing)}, unexpected {_short(unexpected)}")
+
+
+def place(host: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
+    """A host array onto its devices. On CPU (host memory) numpy does the layout work without
+    compiling one small program per tensor shape in every process that loads the model."""
+    return jax.device_put(np.ascontiguousarray(host), sharding, may_alias=False)
 
 
 def from_hf_state_dict(config: TransformerConfig, flat: Mapping[str, jax.Array | np.ndarray],
@@ -169,19 +190,21 @@ def from_hf_state_dict(config: TransformerConfig, flat: Mapping[str, jax.Array |
                        ) -> CausalLM:
     """A `CausalLM` computing in `dtype` from HF checkpoint tensors (torch layout).
 
-    Parameters are cast to `param_dtype` (default: `dtype`) and placed by `shardings`
-    (`{hf_name: Sharding}`, optional). Names and (torch-layout) shapes are checked; errors
-    name the tensor.
+    Parameters are cast to `param_dtype` (default: `dtype`), decoder layers stacked, and
+    placed by `shardings` (`{model-layout name: Sharding}`, optional). Names and
+    (torch-layout) shapes are checked; errors name the tensor.
     """
     param_dtype = dtype if param_dtype is None else param_dtype
     shardings = shardings or {}
-    model_layout = {k: import_tensor(config, k, v, param_dtype=param_dtype,
-                                     sharding=shardings.get(k)) for k, v in flat.items()}
-    return model_from_state(config, state_from_hf(config, model_layout), dtype)
+    check_checkpoint_names(config, flat)
+    host = stack_layers({k: import_tensor(config, k, v, param_dtype=param_dtype)
+                         for k, v in flat.items()}, config.num_layers)
+    placed = {k: place(v, shardings.get(k)) for k, v in host.items()}
+    return model_from_state(config, state_from_hf(config, placed), dtype)
 
 
 def model_from_state(config: TransformerConfig, state: nnx.State, dtype=jnp.float32, *,
-                     remat: bool = False) -> CausalLM:
+                     remat: str = "none") -> CausalLM:
     """`nnx.merge` of the model's graphdef (compute `dtype`) with a parameter state."""
     return nnx.merge(_graphdef(config, dtype, remat), state)
 
@@ -192,16 +215,17 @@ def _graphdef(config, dtype, remat):
 
 
 def hf_state_dict(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
-    """HF checkpoint tensors (torch layout) as host numpy arrays (bf16 via ml_dtypes).
+    """HF checkpoint tensors (torch layout, one per layer) as host numpy arrays (bf16 via
+    ml_dtypes).
 
     `dtype` casts them (default: keep each parameter's dtype).
     """
-    out = {}
+    host = {}
     for name, value in hf_from_state(nnx.state(model, nnx.Param)).items():
-        if dtype is not None:
-            value = value.astype(dtype)
-        out[name] = np.ascontiguousarray(to_torch_layout(name, np.asarray(jax.device_get(value))))
-    return out
+        value = np.asarray(jax.device_get(value))
+        host[name] = value if dtype is None else value.astype(dtype)
+    return {name: np.ascontiguousarray(to_torch_layout(name, value))
+            for name, value in unstack_layers(host).items()}
 
 
 def load_hf_state_dict(model: CausalLM, flat: Mapping[str, jax.Array | np.ndarray]) -> None:
@@ -209,10 +233,13 @@ def load_hf_state_dict(model: CausalLM, flat: Mapping[str, jax.Array | np.ndarra
 
     Each parameter keeps its current dtype.
     """
+    config = model.config
+    check_checkpoint_names(config, flat)
     current = hf_from_state(nnx.state(model, nnx.Param))
-    cast = {k: from_torch_layout(k, jnp.asarray(v)).astype(current[k].dtype)
-            if k in current else v for k, v in flat.items()}
-    nnx.update(model, state_from_hf(model.config, cast))
+    stacked = stack_layers({k: import_tensor(config, k, v) for k, v in flat.items()},
+                           config.num_layers)
+    cast = {k: jnp.asarray(v).astype(current[k].dtype) for k, v in stacked.items()}
+    nnx.update(model, state_from_hf(config, cast))
 
 
 def _short(names: list[str], limit: int = 8) -> str:

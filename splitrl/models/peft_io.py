@@ -5,9 +5,11 @@
 
 What we write, ``peft.PeftModel.from_pretrained(base, path)`` loads onto the transformers model
 of the same checkpoint: keys ``base_model.model.<module>.lora_A.weight`` [r, in] and
-``...lora_B.weight`` [out, r] (torch layout), a ``LORA`` config with ``r``, ``lora_alpha``,
-``lora_dropout`` and ``target_modules`` (the short names, e.g. ``["q_proj", "v_proj"]``, when
-they select exactly our targets, else the full module names). What we read is what PEFT saves
+``...lora_B.weight`` [out, r] (torch layout, one per decoder layer: the stacked adapters of
+`splitrl.models.lora` are split on write and stacked on read), a ``LORA`` config with ``r``,
+``lora_alpha``, ``lora_dropout`` and ``target_modules`` (the short names, e.g.
+``["q_proj", "v_proj"]``, when they select exactly our targets, else the full module names,
+one per layer). What we read is what PEFT saves
 for a plain LoRA adapter of a causal LM; variants that change the math (DoRA, rsLoRA, per-module
 rank or alpha patterns, trained biases, extra saved modules, embedding adapters) are refused with
 the field that asks for them.
@@ -28,6 +30,7 @@ from safetensors.numpy import save_file
 from splitrl.models.config import TransformerConfig
 from splitrl.models.lora import LoraSpec, check_adapters, linear_modules, resolve_targets
 from splitrl.models.params import from_torch_layout, to_torch_layout
+from splitrl.models.stacking import per_layer_names, split_layer, stack_layers, unstack_layers
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -49,11 +52,11 @@ _UNSUPPORTED = {
 def peft_target_modules(config: TransformerConfig, spec: LoraSpec) -> list[str]:
     """``target_modules`` for adapter_config.json: the last parts of the targets' names when
     those select exactly the targets among the model's Linear modules (PEFT's list matching),
-    else the full names."""
+    else the full per-layer HF names."""
     short = sorted({t.rsplit(".", 1)[-1] for t in spec.targets})
     if resolve_targets(config, short) == spec.targets:
         return short
-    return list(spec.targets)
+    return per_layer_names(spec.targets, config.num_layers)
 
 
 def base_model_reference(base_model: str | os.PathLike | None) -> str | None:
@@ -73,10 +76,9 @@ def save_adapter(spec: LoraSpec, adapters: Mapping[str, jax.Array | np.ndarray],
     check_adapters(config, spec, adapters)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name in spec.names():
-        host = np.asarray(jax.device_get(adapters[name]), np.float32)
-        tensors[PREFIX + name] = np.ascontiguousarray(to_torch_layout(name, host))
+    host = {name: np.asarray(jax.device_get(adapters[name]), np.float32) for name in spec.names()}
+    tensors = {PREFIX + name: np.ascontiguousarray(to_torch_layout(name, value))
+               for name, value in unstack_layers(host).items()}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     adapter_config = {
         "peft_type": "LORA",
@@ -153,6 +155,7 @@ def load_adapter(path: str | os.PathLike, config: TransformerConfig, *,
             tensor = np.asarray(jax.device_get(f.get_tensor(key)), np.float32)
             adapters[name] = from_torch_layout(name, tensor)
     try:
+        adapters = stack_layers(adapters, config.num_layers)
         check_adapters(config, spec, adapters)
     except ValueError as e:
         raise ValueError(f"LoRA adapter {file}: {e}") from None
@@ -163,11 +166,12 @@ def _check_saved_base(file, key: str, name: str, f, base) -> None:
     """A base weight PEFT saved beside the adapter must be the base checkpoint's own."""
     if base is None:
         return
-    if name not in base:
+    stacked, layer = split_layer(name)
+    if stacked not in base:
         raise ValueError(f"LoRA adapter {file}: tensor {key!r} is a saved copy of {name!r}, "
                          "which the base model does not have")
     saved = from_torch_layout(name, np.asarray(jax.device_get(f.get_tensor(key))))
-    mine = np.asarray(jax.device_get(base[name]))
+    mine = np.asarray(jax.device_get(base[stacked] if layer is None else base[stacked][layer]))
     if saved.shape != mine.shape or not np.array_equal(saved.astype(mine.dtype), mine):
         raise ValueError(f"LoRA adapter {file}: its saved copy of {name!r} "
                          f"({list(saved.shape)}) differs from the base checkpoint's "

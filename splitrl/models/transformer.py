@@ -1,7 +1,11 @@
 """`CausalLM`: the decoder-only LM (Llama 3 / Qwen2 / Qwen3) as a flax.nnx module.
 
-The module tree mirrors HF's `XForCausalLM` (`model.embed_tokens`, `model.layers.N...`,
-`model.norm`, `lm_head`), so parameter paths are the HF names (see `layers.py`).
+The module tree mirrors HF's `XForCausalLM` (`model.embed_tokens`, `model.layers`,
+`model.norm`, `lm_head`), so parameter paths are the HF names (see `layers.py`), except that
+the decoder layers are ONE `DecoderLayer` whose parameters are stacked on a leading layer
+axis (`model.layers.self_attn.q_proj.weight` [L, in, out], see `stacking.py`) and applied by
+`jax.lax.scan`: every program (train step, prefill, decode) traces and compiles one layer body,
+so compile time and program size do not grow with depth (MaxText's ``scan_layers``).
 
 Calling convention (shared by trainer and sampler):
 
@@ -30,6 +34,17 @@ from splitrl.models.config import TransformerConfig
 from splitrl.models.layers import DecoderLayer, Embedding, Linear, RMSNorm
 from splitrl.models.rope import inv_frequencies, rope_tables
 
+# `model.remat`: what the backward pass of a train step keeps of each decoder layer.
+REMAT_POLICIES = {
+    # everything (no recomputation): the most memory, the fastest backward
+    "none": None,
+    # only each layer's input (the scan carry); the layer is recomputed in the backward pass
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # the layer's matmul outputs (projections, MLP), recomputing only the cheap elementwise ops
+    # and attention's batched score products in between
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 class Decoder(nnx.Module):
     """The HF `model.` prefix: embeddings, decoder layers and the final norm."""
@@ -38,8 +53,7 @@ class Decoder(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=param_dtype)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, **kw, rngs=rngs,
                                       std=std)
-        self.layers = nnx.List([DecoderLayer(config, **kw, rngs=rngs, std=std)
-                                for _ in range(config.num_layers)])
+        self.layers = _stacked_layers(config, kw, rngs, std)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
 
@@ -47,13 +61,14 @@ class CausalLM(nnx.Module):
     """Causal LM with HF-named parameters (Linear weights [in, out]); `dtype` is the compute dtype.
 
     Parameters are stored in `param_dtype`; activations are computed in `dtype`; attention
-    softmax, norms, RoPE and the logits are float32. `remat=True` recomputes each decoder
-    layer in the backward pass (cache-less calls only): activation memory of one layer
-    instead of all, for training on long sequences.
+    softmax, norms, RoPE and the logits are float32. `remat` names one of `REMAT_POLICIES`:
+    what a backward pass keeps of each decoder layer (a forward-only program is unaffected).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None,
-                 rngs: nnx.Rngs, std: float = 0.02, remat: bool = False):
+                 rngs: nnx.Rngs, std: float = 0.02, remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat: expected one of {sorted(REMAT_POLICIES)}, got {remat!r}")
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
@@ -125,23 +140,28 @@ class CausalLM(nnx.Module):
         """
         cos, sin = rope_tables(inv_frequencies(self.config), positions)
         x = self.model.embed_tokens(tokens)
-        for i, layer in enumerate(self.model.layers):
-            if self.remat and isinstance(attention, DenseAttention) and not attention.keep_kv:
-                x = _remat_layer(layer, x, cos, sin, attention, i)
-                continue
-            x, attention = layer(x, cos, sin, attention, i)
+        graphdef, layers = nnx.split(self.model.layers)
+
+        def layer_step(carry, layer_state):
+            x, attention, index = carry
+            x, attention = nnx.merge(graphdef, layer_state)(x, cos, sin, attention, index)
+            return (x, attention, index + 1), None
+
+        policy = REMAT_POLICIES[self.remat]
+        if policy is not None:
+            layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
+        (x, attention, _), _ = jax.lax.scan(layer_step, (x, attention, jnp.int32(0)), layers)
         return self.model.norm(x), attention
 
 
-def _remat_layer(layer, x, cos, sin, attention, index):
-    """layer(x) under `jax.checkpoint`, as a pure function of the layer's state."""
-    graphdef, state = nnx.split(layer)
+def _stacked_layers(config: TransformerConfig, kw: dict, rngs: nnx.Rngs, std: float):
+    """`config.num_layers` decoder layers as one `DecoderLayer` with stacked parameters (each
+    layer initialised from its own split of `rngs`)."""
 
-    @jax.checkpoint
-    def run(state, x, cos, sin, attention):
-        return nnx.merge(graphdef, state)(x, cos, sin, attention, index)[0]
+    def make(rngs):
+        return DecoderLayer(config, **kw, rngs=rngs, std=std)
 
-    return run(state, x, cos, sin, attention)
+    return nnx.split_rngs(splits=config.num_layers)(nnx.vmap(make, in_axes=0, out_axes=0))(rngs)
 
 
 def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
@@ -150,25 +170,39 @@ def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
 
     Draws with numpy's generator on the host (deterministic in `seed`): XLA:CPU compiles
     threefry slowly (about a second per distinct tensor shape), which dominated small runs.
+    Matrices are drawn in HF name order, layer by layer (`model.layers.0.*`, then
+    `model.layers.1.*`, ...), so a seed gives the same weights at any layout.
     """
     param_dtype = dtype if param_dtype is None else param_dtype
     graphdef, abstract = nnx.split(abstract_model(config, dtype, param_dtype=param_dtype))
     rng = np.random.default_rng(seed)
-    leaves = []
-    for path, var in nnx.to_flat_state(abstract):
-        shape = var.get_value().shape
+    flat = list(nnx.to_flat_state(abstract))
+    stacked = [i for i, (path, _) in enumerate(flat) if path[:2] == ("model", "layers")]
+    values: dict[int, np.ndarray] = {}
+
+    def draw(path, shape):
         if path[-1] == "bias":
-            value = np.zeros(shape, np.float32)
-        elif len(shape) == 1:
-            value = np.ones(shape, np.float32)
-        else:
-            value = std * rng.standard_normal(shape, dtype=np.float32)
-        leaves.append((path, var.replace(jnp.asarray(value, param_dtype))))
+            return np.zeros(shape, np.float32)
+        if path[-2].endswith("norm"):
+            return np.ones(shape, np.float32)
+        return std * rng.standard_normal(shape, dtype=np.float32)
+
+    for i, (path, var) in enumerate(flat):
+        if i == (stacked[0] if stacked else None):  # every layer's tensors, layer after layer
+            per_layer = {j: [] for j in stacked}
+            for _ in range(config.num_layers):
+                for j in stacked:
+                    per_layer[j].append(draw(flat[j][0], flat[j][1].get_value().shape[1:]))
+            values.update({j: np.stack(v) for j, v in per_layer.items()})
+        if i not in values:
+            values[i] = draw(path, var.get_value().shape)
+    leaves = [(path, var.replace(jnp.asarray(values[i], param_dtype)))
+              for i, (path, var) in enumerate(flat)]
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 
 def abstract_model(config: TransformerConfig, dtype=jnp.float32, *, param_dtype=None,
-                   remat: bool = False) -> CausalLM:
+                   remat: str = "none") -> CausalLM:
     """The model with ShapeDtypeStruct leaves (no memory), for its graphdef and shapes."""
     return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype,
                                            rngs=nnx.Rngs(0), remat=remat))

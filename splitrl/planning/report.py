@@ -69,7 +69,7 @@ def plan_service(planner, *, search: bool) -> ServiceReport:
 def plan_run(cfg: Config, model_config: TransformerConfig, targets: dict[str, Target], *,
              search: bool = True, extrapolate_layers: bool = False) -> list[ServiceReport]:
     """One report per service in `targets` ("trainer", "sampler"); with `extrapolate_layers`
-    from compiles of one and two of the model's layers (`LayerExtrapolation`)."""
+    from compiles of two and three of the model's layers (`LayerExtrapolation`)."""
     from splitrl.planning.services import SamplerPlanner, TrainerPlanner
 
     planners = {"trainer": TrainerPlanner, "sampler": SamplerPlanner}
@@ -83,12 +83,13 @@ def plan_run(cfg: Config, model_config: TransformerConfig, targets: dict[str, Ta
 
 
 class LayerExtrapolation:
-    """A planner for a deep model from compiles of the same model cut to one and to two
+    """A planner for a deep model from compiles of the same model cut to two and to three
     layers, extrapolated linearly to its depth (`splitrl plan --extrapolate-layers`).
 
-    The model's forward unrolls its layers, so compile time grows with the depth (an 80-layer
-    70B train step takes the TPU compiler hours on a small host); two compiles of one and two
-    layers take minutes. Every category is linear in the number of layers: parameters,
+    The model's forward scans its layers, so a full-depth compile costs about what a shallow
+    one does and is the reference; this remains for quick looks. Two and three layers, not
+    one and two: XLA compiles a one-trip loop as straight-line code, whose buffers are not the
+    loop's. Every category is linear in the number of layers: parameters,
     optimizer state, gradients and KV cache exactly (embeddings + L x a layer's), temporaries
     approximately (each layer keeps its activations for the backward pass; XLA may schedule
     the full program differently, e.g. rematerialise to fit, so the full compile stays the
@@ -98,23 +99,25 @@ class LayerExtrapolation:
     def __init__(self, make, model_config: TransformerConfig):
         self.full = make(model_config)
         self.layers = model_config.num_layers
-        self.parts = [make(dataclasses.replace(model_config, num_layers=n)) for n in (1, 2)]
+        self.base = min(2, max(1, self.layers - 1))  # a deeper model's two compiles: 2, 3
+        self.parts = [make(dataclasses.replace(model_config, num_layers=n))
+                      for n in (self.base, self.base + 1)]
         for name in ("service", "unit", "target", "mesh", "rows", "step", "limit"):
             setattr(self, name, getattr(self.full, name))
 
     def describe(self, rows: int) -> str:
         return (f"{self.full.describe(rows)}; {self.layers} layers extrapolated from compiles "
-                f"of 1 and 2")
+                f"of {self.base} and {self.base + 1}")
 
     def measure(self, rows: int) -> Measurement:
         one, two = (part.measure(rows) for part in self.parts)
         programs = [dataclasses.replace(p, name=f"{p.name}[{n} layer{'s' * (n > 1)}]")
-                    for n, m in ((1, one), (2, two)) for p in m.programs]
+                    for n, m in ((self.base, one), (self.base + 1, two)) for p in m.programs]
         capacity = self.target.hbm_bytes
         if one.error or two.error:
             return Measurement(rows, {}, programs, capacity, error=one.error or two.error)
         per_layer = {k: two.categories[k] - one.categories[k] for k in two.categories}
-        categories = {k: max(0, one.categories[k] + per_layer[k] * (self.layers - 1))
+        categories = {k: max(0, one.categories[k] + per_layer[k] * (self.layers - self.base))
                       for k in two.categories}
         return Measurement(rows, categories, programs, capacity)
 

@@ -175,7 +175,7 @@ class SamplerPlanner:
                 "parameters": params,
                 "push staging": params,  # a push is staged beside the served weights
                 "kv cache": kv,
-                # a resize copies one array at a time: one layer's keys or values held twice
+                # a resize copies one array at a time: the keys (or the values) held twice
                 "kv cache resize": kv // engine.cache.num_arrays,
                 # prefill's keys/values and hidden states live on into the admit program
                 "temporaries": max(prefill.transient, prefill.new_outputs + admit.transient,

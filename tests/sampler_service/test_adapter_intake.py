@@ -78,7 +78,7 @@ def test_adapter_pushes_serve_the_base_with_adapters_merged_bitwise(config, base
     assert store.digests() == _trainer_merge(base, first, spec)
     _, served = store.snapshot()
     flat = hf_from_state(served)
-    q = "model.layers.0.self_attn.q_proj.weight"
+    q = "model.layers.self_attn.q_proj.weight"
     assert flat[q].sharding == store.shardings[q]  # merged on the sampler's own layout
     assert flat["model.norm.weight"] is hf_from_state(checkpoint_state)["model.norm.weight"]
     # The next push merges into the base again (not into version 1's weights); a reset rolls
@@ -114,8 +114,8 @@ def test_malformed_adapter_pushes_change_nothing(config, base, spec):
     store = _store(config, base)
     adapters = _adapters(config, spec, 4)
     bad = dict(adapters)
-    bad["model.layers.1.mlp.up_proj.lora_B.weight"] = np.full_like(
-        adapters["model.layers.1.mlp.up_proj.lora_B.weight"], np.nan)
+    bad["model.layers.mlp.up_proj.lora_B.weight"] = np.full_like(
+        adapters["model.layers.mlp.up_proj.lora_B.weight"], np.nan)
     message = _refused(store, _push(bad, 1, spec), grpc.StatusCode.INVALID_ARGUMENT)
     assert "non-finite" in message and "up_proj.lora_B.weight" in message
     wrong_rank = lora_lib.LoraSpec(8, 8.0, spec.targets)

@@ -195,7 +195,7 @@ def test_requests_that_can_never_fit_are_refused_with_the_numbers(setup):
                                          r"together, but at most 8 rows fit"):
         engine.generate(state, [[1]], SamplingOptions(), n=9)
     with pytest.raises(ValueError, match=r"kv_cache_bytes 1000 holds no sequence of "
-                                         r"max_sequence_length 32 \(one needs 10240 bytes"):
+                                         r"max_sequence_length 32 \(one needs 12288 bytes"):
         make_engine(model, mesh, kv_cache_bytes=1000)
 
 

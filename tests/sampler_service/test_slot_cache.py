@@ -37,13 +37,14 @@ def test_buckets_are_powers_of_two_within_their_caps():
 
 
 def test_budget_counts_the_array_held_twice_during_a_resize(mesh):
-    # 4 rows x 32 slots = 32 KiB of cache, + 1 of its 4 arrays while a resize copies it.
-    cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=40960, max_rows=8, max_width=32)
+    # 4 rows x 32 slots = 32 KiB of cache, + its keys (or values: all layers, stacked) while
+    # a resize copies them.
+    cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=49152, max_rows=8, max_width=32)
     assert cache.bytes_per_token == BYTES_PER_TOKEN
     assert cache.fits(4, 32) and not cache.fits(5, 32)
     assert cache.fits(8, 16) is False  # widths below 32 still take a 32-slot row
     assert cache.guaranteed_rows() == 4
-    assert SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=40959, max_rows=8,
+    assert SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=49151, max_rows=8,
                      max_width=32).guaranteed_rows() == 2
 
 
@@ -51,32 +52,37 @@ def test_resize_moves_rows_and_keeps_their_slots(mesh):
     cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=1 << 20, max_rows=8, max_width=128)
     cache.resize(CacheShape(4, 32), np.full(4, -1))
     assert cache.allocated_bytes == 4 * 32 * BYTES_PER_TOKEN
-    k, v = cache.arrays[1]
-    marked_k = k.at[2].set(jnp.arange(2 * 8 * 32, dtype=jnp.float32).reshape(2, 8, 32))
-    marked_v = v.at[2].set(7.0)
-    cache.arrays = (cache.arrays[0], (marked_k, marked_v))
+    k, v = cache.arrays  # [layers, rows, ...]
+    marked_k = k.at[1, 2].set(jnp.arange(2 * 8 * 32, dtype=jnp.float32).reshape(2, 8, 32))
+    marked_v = v.at[1, 2].set(7.0)
+    cache.arrays = (marked_k, marked_v)
     cache.resize(CacheShape(2, 64), np.array([2, -1]))  # old row 2 becomes row 0, wider
-    k, v = cache.arrays[1]
-    assert k.shape == (2, 2, 8, 64) and v.shape == (2, 2, 64, 8)
-    np.testing.assert_array_equal(k[0, :, :, :32], marked_k[2])
-    np.testing.assert_array_equal(v[0, :, :32], 7.0)
+    k, v = cache.arrays
+    assert k.shape == (2, 2, 2, 8, 64) and v.shape == (2, 2, 2, 64, 8)
+    np.testing.assert_array_equal(k[1, 0, :, :, :32], marked_k[1, 2])
+    np.testing.assert_array_equal(v[1, 0, :, :32], 7.0)
+    np.testing.assert_array_equal(k[0, 0, :, :, :32], 0.0)  # the other layer's row, moved too
     assert cache.allocated_bytes == 2 * 64 * BYTES_PER_TOKEN
     # Peak: the old cache plus one new array (shrinking rows, doubling width: same size).
-    assert cache.peak_bytes == 4 * 32 * BYTES_PER_TOKEN + 2 * 64 * BYTES_PER_TOKEN // 4
+    assert cache.peak_bytes == 4 * 32 * BYTES_PER_TOKEN + 2 * 64 * BYTES_PER_TOKEN // 2
 
 
 def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(mesh):
     rng = np.random.default_rng(0)
-    rows, width, heads, kv_heads, dh = 3, 32, 4, 2, 8
-    k_cache = jnp.asarray(rng.standard_normal((rows, kv_heads, dh, width)), jnp.float32)
-    v_cache = jnp.asarray(rng.standard_normal((rows, kv_heads, width, dh)), jnp.float32)
+    layers, rows, width, heads, kv_heads, dh = 2, 3, 32, 4, 2, 8
+    k_cache = jnp.asarray(rng.standard_normal((layers, rows, kv_heads, dh, width)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal((layers, rows, kv_heads, width, dh)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((rows, 1, heads, dh)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((rows, 1, kv_heads, dh)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((rows, 1, kv_heads, dh)), jnp.float32)
     write = jnp.array([0, 5, 31], jnp.int32)
-    backend = SlotDecodeAttention(((k_cache, v_cache),), write)
-    out, backend = jax.jit(lambda b, q, k, v: b.attend(0, q, k, v))(backend, q, k, v)
-    new_k, new_v = backend.cache[0]
+    backend = SlotDecodeAttention((k_cache, v_cache), write)
+    layer = jnp.int32(1)  # traced, as under the model's scan over layers
+    out, backend = jax.jit(lambda b, q, k, v, i: b.attend(i, q, k, v))(backend, q, k, v, layer)
+    all_k, all_v = backend.cache
+    np.testing.assert_array_equal(all_k[0], k_cache[0])  # other layers untouched
+    np.testing.assert_array_equal(all_v[0], v_cache[0])
+    new_k, new_v = all_k[1], all_v[1]
     for r in range(rows):
         w = int(write[r])
         np.testing.assert_array_equal(new_k[r, :, :, w], k[r, 0])

@@ -160,7 +160,7 @@ def bounded(config, initial_state):
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_weights_are_refused_naming_the_tensor(store, config, bad):
     params = _new_params(config)
-    name = "model.layers.1.mlp.down_proj.weight"
+    name = "model.layers.mlp.down_proj.weight"
     params[name].reshape(-1)[[3, 7]] = bad
     msg = _rejected(store, _messages(params, 1), grpc.StatusCode.INVALID_ARGUMENT)
     assert "non-finite" in msg and f"'{name}' (2 of {params[name].size} values)" in msg
@@ -217,7 +217,7 @@ def test_deltas_rebuild_the_senders_bytes_and_keep_unchanged_arrays(store, confi
     assert store.weights_id == "v1"
     _, before = store.snapshot()
     second = {n: a.copy() for n, a in first.items()}
-    changed = "model.layers.0.mlp.up_proj.weight"
+    changed = "model.layers.mlp.up_proj.weight"
     second[changed].reshape(-1)[::50] += 1
     _, result = _delta(store, second, 2, first)
     assert result.bytes_received < result.decoded_bytes / 10

@@ -93,6 +93,21 @@ def test_two_dimensional_mesh_uses_both_axes_and_skips_indivisible_dims():
     assert spec == P("fsdp", None)
 
 
+def test_stacked_layer_parameters_keep_the_layer_axis_whole():
+    """The models stack their decoder layers on a leading axis (and scan over it): every layer
+    is laid out as one layer alone would be, even where the layer axis would divide best."""
+    mesh = build_mesh(MeshConfig(axes={"fsdp": 2, "tensor": 4}))
+    for name, shape in SHAPES.items():
+        if not name.startswith("model.layers.0."):
+            continue
+        stacked = name.replace("model.layers.0.", "model.layers.")
+        one = partition_spec(name, shape, mesh)
+        assert partition_spec(stacked, (1024, *shape), mesh) == P(None, *one), name
+    # fsdp takes the largest free dimension after the layer axis, never the layer axis
+    spec = partition_spec("model.layers.input_layernorm.weight", (64, 64), mesh)
+    assert spec == P(None, None)
+
+
 def test_shardings_place_arrays_as_specified():
     mesh = build_mesh(MeshConfig(axes={"fsdp": 2, "tensor": 4}))
     shardings = param_shardings(mesh, SHAPES)

@@ -130,6 +130,7 @@ class Learner:
         adapters: dict[str, Any] | None = None,
         seed: int = 0,
         base_fingerprint: str | None = None,
+        remat: str = "none",
     ):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training logprobs, got {temperature}")
@@ -151,7 +152,9 @@ class Learner:
         self.seed = seed
         self.base_fingerprint = base_fingerprint  # of the base checkpoint (LoRA runs)
 
-        self._graphdef = nnx.split(abstract_model(self.config, self.dtype))[0]
+        # The policy's forward in the train step, with the `model.remat` policy of its backward
+        # pass (`splitrl.models.transformer.REMAT_POLICIES`).
+        self._graphdef = nnx.split(abstract_model(self.config, self.dtype, remat=remat))[0]
         flat = hf_from_state(nnx.state(model, nnx.Param))
         # An abstract model (`splitrl.models.abstract_model`: ShapeDtypeStruct leaves) makes an
         # abstract learner: every array below is a sharded ShapeDtypeStruct, nothing is
@@ -227,6 +230,7 @@ class Learner:
             adapters=adapters,
             seed=cfg.trainer.seed,
             base_fingerprint=fingerprint,
+            remat=cfg.model.remat,
         )
 
     # ------------------------------------------------------------------ the algorithm

@@ -80,8 +80,10 @@ def test_state_round_trips_through_hf_names(tiny_config):
     model = models.init_random(tiny_config, seed=1)
     flat = models.hf_from_state(nnx.state(model))
     assert list(flat) == models.param_names(model)
-    assert flat["model.layers.1.self_attn.q_proj.weight"].shape == (32, 32)  # [in, out]
-    assert flat["model.layers.0.self_attn.k_proj.weight"].shape == (32, 16)
+    # decoder layers stacked on a leading layer axis, Linear weights [in, out]
+    assert flat["model.layers.self_attn.q_proj.weight"].shape == (2, 32, 32)
+    assert flat["model.layers.self_attn.k_proj.weight"].shape == (2, 32, 16)
+    assert flat["model.layers.input_layernorm.weight"].shape == (2, 32)
     assert flat["lm_head.weight"].shape == (32, 97)
     assert flat["model.embed_tokens.weight"].shape == (97, 32)
     state = models.state_from_hf(tiny_config, {k: np.asarray(v) for k, v in flat.items()})
@@ -95,6 +97,10 @@ def test_state_round_trips_through_hf_names(tiny_config):
         np.testing.assert_array_equal(v, flat[k])
     torch_layout = models.hf_state_dict(model)
     assert torch_layout["lm_head.weight"].shape == (97, 32)  # HF [out, in]
+    # one tensor per layer, as HF checkpoints hold them
+    np.testing.assert_array_equal(torch_layout["model.layers.1.self_attn.q_proj.weight"],
+                                  np.asarray(flat["model.layers.self_attn.q_proj.weight"][1]).T)
+    assert not any(k.startswith("model.layers.self_attn") for k in torch_layout)
 
 
 def test_a_flat_view_of_a_state_leaves_no_garbage_holding_its_arrays(tiny_config):
@@ -118,8 +124,8 @@ def test_state_from_hf_rejects_bad_names_and_shapes(tiny_config):
         models.state_from_hf(tiny_config, missing)
     with pytest.raises(ValueError, match=r"unexpected \[model.layers.9.mlp.up_proj.weight\]"):
         models.state_from_hf(tiny_config, {**flat, "model.layers.9.mlp.up_proj.weight": 0})
-    wrong = {**flat, "model.layers.0.mlp.up_proj.weight": jnp.zeros((48, 32))}
-    with pytest.raises(ValueError, match=r"up_proj.weight.*\(48, 32\).*expected \(32, 48\)"):
+    wrong = {**flat, "model.layers.mlp.up_proj.weight": jnp.zeros((2, 48, 32))}
+    with pytest.raises(ValueError, match=r"up_proj.weight.*\(2, 48, 32\).*expected \(2, 32, 48\)"):
         models.state_from_hf(tiny_config, wrong)
 
 
@@ -194,8 +200,8 @@ def test_from_pretrained_places_each_tensor_on_its_sharding(checkpoint, tiny_con
         pytest.skip("needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
 
-    def spec(shape):
-        axes = ("fsdp", "tensor")[:len(shape)]
+    def spec(shape):  # the last two dims (a stacked layer axis stays whole)
+        axes = (None,) * (len(shape) - 2) + ("fsdp", "tensor")[:len(shape)]
         return PartitionSpec(*(a if d % 2 == 0 else None for a, d in zip(axes, shape, strict=True)))
 
     shardings = {name: NamedSharding(mesh, spec(s.shape))

@@ -79,12 +79,15 @@ def test_param_names_are_the_transformers_state_dict_keys():
         expected = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             del expected["lm_head.weight"]
+        assert models.checkpoint_shapes(_config(name)) == expected
+        # the model layout: Linear weights [in, out], decoder layers stacked
         shapes = models.param_shapes(_config(name))
-        assert set(shapes) == set(expected)
-        for k, v in shapes.items():  # Linear weights are stored [in, out]
-            want = expected[k][::-1] if k.endswith("proj.weight") or k == "lm_head.weight" \
-                else expected[k]
-            assert v.shape == want, k
+        layers = hf.config.num_hidden_layers
+        for k, v in shapes.items():
+            one = (expected[k] if not k.startswith("model.layers.")
+                   else expected[k.replace("model.layers.", "model.layers.0.")])
+            want = one[::-1] if k.endswith("proj.weight") or k == "lm_head.weight" else one
+            assert v.shape == ((layers, *want) if k.startswith("model.layers.") else want), k
 
 
 def test_legacy_top_level_rope_theta_loads_like_rope_parameters(tmp_path):

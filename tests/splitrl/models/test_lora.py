@@ -44,15 +44,18 @@ def checkpoint(tmp_path_factory):
 
 
 def test_targets_follow_peft_rules_and_an_empty_match_names_pattern_and_modules(tiny_config):
+    # matched against the per-layer HF names, resolved to the stacked (every-layer) modules
     attn = lora_lib.resolve_targets(tiny_config, ".*self_attn.(q|v)_proj")
-    assert attn == ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj",
-                    "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj")
+    assert attn == ("model.layers.self_attn.q_proj", "model.layers.self_attn.v_proj")
     # EasyDeL's tutorial pattern, over module or parameter names; lists match by suffix.
     easydel = lora_lib.resolve_targets(tiny_config, ".*(gate_proj|up_proj|lm_head|q_proj).*")
-    assert "lm_head" in easydel and len(easydel) == 7
-    assert lora_lib.resolve_targets(tiny_config, r".*q_proj\.weight") == attn[::2]
+    assert "lm_head" in easydel and len(easydel) == 4
+    assert lora_lib.resolve_targets(tiny_config, r".*q_proj\.weight") == attn[:1]
     assert lora_lib.resolve_targets(tiny_config, ["q_proj", "v_proj"]) == attn
-    assert len(lora_lib.resolve_targets(tiny_config, PROJECTIONS)) == 14
+    assert len(lora_lib.resolve_targets(tiny_config, PROJECTIONS)) == 7
+    with pytest.raises(ValueError, match=r"selects layers.self_attn.q_proj in layers \[0\] of 2 "
+                                         "only"):
+        lora_lib.resolve_targets(tiny_config, r"model\.layers\.0\.self_attn\.q_proj")
     with pytest.raises(ValueError) as e:
         lora_lib.resolve_targets(tiny_config, "q_proj")  # a regex must match the whole name
     assert "'q_proj' matches none" in str(e.value)
@@ -132,7 +135,7 @@ def test_an_adapter_peft_saved_loads_as_the_starting_point(checkpoint, tmp_path)
     model = from_pretrained(checkpoint)
     base = hf_from_state(nnx.state(model, nnx.Param))
     spec, adapters = load_adapter(tmp_path / "peft", model.config, base=base)
-    assert (spec.rank, spec.alpha, spec.scale) == (4, 16.0, 4.0) and len(spec.targets) == 5
+    assert (spec.rank, spec.alpha, spec.scale) == (4, 16.0, 4.0) and len(spec.targets) == 3
     tokens, mask, positions = standard_batch()
     ours = np.asarray(run(lora_lib.attach(model, spec, adapters), tokens, positions, mask))
     theirs = hf_logits(peft_model, tokens, mask, positions)
@@ -210,17 +213,17 @@ def test_merge_is_bitwise_equal_on_every_mesh_and_matches_the_forward(tiny_confi
         placed = jax.device_put(base, param_shardings(mesh, base, strategy))
         placed_adapters = jax.device_put(adapters, param_shardings(mesh, adapters, strategy))
         merged = lora_lib.merge(placed, placed_adapters, spec)
-        q = "model.layers.0.self_attn.q_proj.weight"
-        assert merged[q].sharding.is_equivalent_to(placed[q].sharding, 2)
+        q = "model.layers.self_attn.q_proj.weight"
+        assert merged[q].sharding.is_equivalent_to(placed[q].sharding, 3)
         assert merged["model.norm.weight"] is placed["model.norm.weight"]  # untouched: no copy
         results.append({k: np.asarray(v) for k, v in merged.items()})
     for other in results[1:]:
         for name, value in results[0].items():
             np.testing.assert_array_equal(other[name], value, err_msg=name)
-    w, a, b = (base["model.layers.1.mlp.up_proj.weight"],
-               adapters["model.layers.1.mlp.up_proj.lora_A.weight"],
-               adapters["model.layers.1.mlp.up_proj.lora_B.weight"])
-    np.testing.assert_allclose(results[0]["model.layers.1.mlp.up_proj.weight"],
+    w, a, b = (base["model.layers.mlp.up_proj.weight"],
+               adapters["model.layers.mlp.up_proj.lora_A.weight"],
+               adapters["model.layers.mlp.up_proj.lora_B.weight"])
+    np.testing.assert_allclose(results[0]["model.layers.mlp.up_proj.weight"],
                                w + spec.scale * (a @ b), atol=1e-5)
     tokens, mask, positions = standard_batch()
     merged_model = init_random(tiny_config, seed=0, std=0.2)
@@ -256,15 +259,15 @@ def test_dropout_is_a_function_of_its_key_and_off_without_one(tiny_config):
 
 
 def test_adapters_are_checked_by_name_and_shape(tiny_config):
-    spec = lora_lib.LoraSpec(4, 8.0, ("model.layers.0.self_attn.q_proj",))
+    spec = lora_lib.LoraSpec(4, 8.0, ("model.layers.self_attn.q_proj",))
     good = lora_lib.init_adapters(tiny_config, spec)
-    assert set(good) == {"model.layers.0.self_attn.q_proj.lora_A.weight",
-                         "model.layers.0.self_attn.q_proj.lora_B.weight"}
-    assert not good["model.layers.0.self_attn.q_proj.lora_B.weight"].any()  # B starts at 0
+    assert set(good) == {"model.layers.self_attn.q_proj.lora_A.weight",
+                         "model.layers.self_attn.q_proj.lora_B.weight"}
+    assert not good["model.layers.self_attn.q_proj.lora_B.weight"].any()  # B starts at 0
     bad = dict(good)
-    bad["model.layers.0.self_attn.q_proj.lora_A.weight"] = np.zeros((32, 8), np.float32)
-    with pytest.raises(ValueError, match=r"lora_A.weight' has shape \[32, 8\], expected "
-                                         r"\[32, 4\] \(rank 4\)"):
+    bad["model.layers.self_attn.q_proj.lora_A.weight"] = np.zeros((2, 32, 8), np.float32)
+    with pytest.raises(ValueError, match=r"lora_A.weight' has shape \[2, 32, 8\], expected "
+                                         r"\[2, 32, 4\] \(rank 4\)"):
         lora_lib.check_adapters(tiny_config, spec, bad)
     with pytest.raises(ValueError, match="missing"):
         lora_lib.check_adapters(tiny_config, spec, {})

@@ -54,16 +54,16 @@ def test_chunked_logprobs_and_grads_match_full_logits(
 
 
 def test_token_logprobs_of_model_match_log_softmax_of_logits_with_grads_and_remat(tiny_config):
+    """The chunked side also rematerialises every layer ("full"): grads must not change."""
     model = models.init_random(tiny_config, seed=0, std=0.3)
     randomize(model, seed=2)
     tokens, mask = left_padded_batch([T, 9], T, seed=6)
     targets = jnp.roll(tokens, -1, axis=1)
     positions = models.left_pad_positions(mask)
     graphdef, state = nnx.split(model)
-    remat_graphdef = nnx.split(models.abstract_model(tiny_config, remat=True))[0]
+    remat_graphdef = nnx.split(models.abstract_model(tiny_config, remat="full"))[0]
 
     def loss(state, chunked):
-        # the chunked side also rematerialises the layers: grads must not change
         m = nnx.merge(remat_graphdef if chunked else graphdef, state)
         if chunked:
             # default chunk sizes: one time chunk, one vocabulary chunk
@@ -83,3 +83,29 @@ def test_token_logprobs_of_model_match_log_softmax_of_logits_with_grads_and_rema
     ref_flat = models.hf_from_state(ref_grads)
     for name, g in models.hf_from_state(grads).items():
         np.testing.assert_allclose(g, ref_flat[name], atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("policy", ["full", "save_dots"])
+def test_remat_policies_give_the_gradients_of_no_remat(tiny_config, policy):
+    """`model.remat` changes what the backward pass keeps, never what it computes."""
+    model = models.init_random(tiny_config, seed=0, std=0.3)
+    randomize(model, seed=3)
+    tokens, mask = left_padded_batch([T, 7], T, seed=4)
+    targets = jnp.roll(tokens, -1, axis=1)
+    positions = models.left_pad_positions(mask)
+    state = nnx.state(model)
+    graphdefs = {p: nnx.split(models.abstract_model(tiny_config, remat=p))[0]
+                 for p in ("none", policy)}
+
+    def loss(state, which):
+        m = nnx.merge(graphdefs[which], state)
+        lp, ent = models.token_logprobs(m, tokens, targets, positions, mask)
+        return jnp.sum((lp + 0.1 * ent) * mask)
+
+    fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+    value, grads = fn(state, policy)
+    ref_value, ref_grads = fn(state, "none")
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    ref_flat = models.hf_from_state(ref_grads)
+    for name, g in models.hf_from_state(grads).items():
+        np.testing.assert_allclose(g, ref_flat[name], rtol=1e-4, atol=1e-5, err_msg=name)
