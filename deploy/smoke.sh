@@ -116,10 +116,14 @@ docker run --rm --entrypoint sh "$SPLITRL_IMAGE" -c \
 
 # -- helpers for a run --------------------------------------------------------------------------
 write_override() {  # steps checkpoint_every
+  # trainer.steps on the samplers too: the trainer refuses a sampler whose steps differ.
   cat > "$WORK/override.yaml" <<EOF
 services:
   trainer:
     command: ["trainer", "trainer.steps=$1", "trainer.checkpoint.every=$2"]
+  sampler:
+    command:
+      - exec splitrl sampler services.advertise_host=\$\$(hostname -i) trainer.steps=$1
 EOF
 }
 
