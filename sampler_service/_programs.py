@@ -12,8 +12,9 @@ the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`
    attending only to itself, so padding is what the packing leaves, not every prompt's gap
    to the longest) -> every layer's k/v [L, B, W, K, Dh] and the hidden states [B, W, D]. A
    prompt is prefilled once for its n rows.
-2. `admit`: copies each prompt's keys/values into the cache rows of its n completions and
-   draws each row's first token from the logits after the prompt (draw index 0 of its key).
+2. `admit`: writes each prompt's keys/values into its slots of the cache rows of its n
+   completions (only those slots, in place) and draws each row's first token from the logits
+   after the prompt (draw index 0 of its key).
 3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
    stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
    refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
@@ -105,22 +106,30 @@ class Programs:
     def _admit(self, leaves, cache, kv, hidden, row_start, row_length, row_slot,
                params: RowParams, *, plan: sampling.SamplePlan,
                sharding: NamedSharding | None):
-        """Copies each new row's prompt (``row_length`` [N] tokens from flat packed position
-        ``row_start`` [N] of `prefill`'s output) into cache row ``row_slot`` [N] (a slot past
-        the cache's rows marks a padding entry: dropped), and draws the row's first token
-        from the hidden state after its prompt. Returns (cache, tokens, logprobs, stopped)."""
+        """Writes each new row's prompt (``row_length`` [N] tokens from flat packed position
+        ``row_start`` [N] of `prefill`'s output) into slots [0, row_length) of cache row
+        ``row_slot`` [N] of every layer (a slot past the cache's rows marks a padding entry:
+        dropped), and draws the row's first token from the hidden state after its prompt.
+        Returns (cache, tokens, logprobs, stopped).
+
+        Only the prompts' slots are gathered and written, in place in the donated cache: the
+        program holds the new rows' prompts (at most the packed rows' width each), never a
+        copy of the cache at its full width. A row's slots past its prompt keep whatever they
+        held (stale and finite, masked until decode writes them)."""
         model = self.model(leaves)
         k_cache, v_cache = cache
         width = k_cache.shape[4]
         b, w = hidden.shape[:2]
-        # Slot t of a row reads packed position start + t (past the prompt: masked garbage).
-        index = jnp.minimum(row_start[:, None] + jnp.arange(width), b * w - 1)
-        k, v = (jnp.take(x.reshape(x.shape[0], b * w, *x.shape[3:]), index, axis=1)
-                for x in kv)  # [L, N, S, K, Dh]
-        k_cache = k_cache.at[:, row_slot].set(k.transpose(0, 1, 3, 4, 2).astype(k_cache.dtype),
-                                              mode="drop")
-        v_cache = v_cache.at[:, row_slot].set(v.transpose(0, 1, 3, 2, 4).astype(v_cache.dtype),
-                                              mode="drop")
+        t = jnp.arange(min(w, width))
+        # Row n's slot t reads packed position start + t; slots past its prompt are dropped.
+        source = jnp.minimum(row_start[:, None] + t, b * w - 1)  # [N, P]
+        slot = jnp.where(t < row_length[:, None], t, width)  # width: out of range, dropped
+        rows = row_slot[:, None]
+        # [L, N, P, K, Dh] -> [N, P, L, K, Dh]: the advanced (row, slot) indices come first
+        k, v = (jnp.take(x.reshape(x.shape[0], b * w, *x.shape[3:]), source, axis=1)
+                .transpose(1, 2, 0, 3, 4) for x in kv)
+        k_cache = k_cache.at[:, rows, :, :, slot].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[:, rows, :, slot, :].set(v.astype(v_cache.dtype), mode="drop")
         if sharding is not None:
             k_cache = jax.lax.with_sharding_constraint(k_cache, sharding)
             v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
