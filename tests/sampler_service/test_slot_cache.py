@@ -91,3 +91,49 @@ def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(mes
         values = new_v[r].transpose(1, 0, 2)[None, : w + 1]
         ref = dense_attend(q[r:r + 1], keys, values, jnp.ones((1, 1, w + 1), bool))
         np.testing.assert_allclose(out[r], ref[0], atol=1e-5)
+
+
+def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(mesh):
+    """Admission gathers and writes each prompt's own slots (no full-width copy): the other
+    rows, and a new row's slots past its prompt, keep what they held."""
+    from flax import nnx
+
+    from sampler_service import _programs
+    from sampler_service._inputs import pack_prompts
+    from sampler_service.sampling import SamplePlan
+    from splitrl.models import init_random
+
+    model = init_random(CONFIG, seed=0, std=0.3)
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    programs = _programs.programs_for(graphdef, treedef)
+    prompts = [np.array([5, 6, 7], np.int32), np.array([9, 10, 11, 12, 13], np.int32)]
+    tokens, positions, segments, starts = pack_prompts(prompts, 32, 0)
+    kv, hidden = programs.prefill(leaves, tokens, positions, segments)
+    marker = 3.0
+    cache = tuple(jnp.full(s, marker, jnp.float32) for s in (
+        (2, 4, 2, 8, 32), (2, 4, 2, 32, 8)))  # [L, R, K, Dh, S], [L, R, K, S, Dh]
+    n = 4  # prompt 0 -> row 2, prompt 1 -> row 0, two padding entries (dropped)
+    row_start = np.array([starts[0], starts[1], 0, 0], np.int32)
+    row_length = np.array([3, 5, 1, 1], np.int32)
+    row_slot = np.array([2, 0, 4, 4], np.int32)
+    params = _programs.RowParams(
+        seeds=np.zeros((n, 2), np.uint32), sample_ids=np.zeros(n, np.int32),
+        versions=np.zeros((n, 2), np.uint32), temperature=np.ones(n, np.float32),
+        top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=np.ones(n, bool),
+        max_new=np.full(n, 4, np.int32), stop_ids=np.full((n, 1), -1, np.int32))
+    (k_cache, v_cache), *_ = programs.admit(
+        leaves, cache, kv, hidden, row_start, row_length, row_slot, params,
+        plan=SamplePlan(sampled=False), sharding=None)
+    k_all, v_all = (np.asarray(x).reshape(2, -1, 2, 8) for x in kv)  # [L, B*W, K, Dh]
+    for row, prompt in ((2, 0), (0, 1)):
+        size, start = prompts[prompt].size, starts[prompt]
+        np.testing.assert_array_equal(k_cache[:, row, :, :, :size],
+                                      k_all[:, start:start + size].transpose(0, 2, 3, 1))
+        np.testing.assert_array_equal(v_cache[:, row, :, :size],
+                                      v_all[:, start:start + size].transpose(0, 2, 1, 3))
+        np.testing.assert_array_equal(k_cache[:, row, :, :, size:], marker)  # past the prompt
+        np.testing.assert_array_equal(v_cache[:, row, :, size:], marker)
+    for row in (1, 3):  # rows nobody was admitted to
+        np.testing.assert_array_equal(k_cache[:, row], marker)
+        np.testing.assert_array_equal(v_cache[:, row], marker)
