@@ -47,8 +47,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m 'not slow' $(XDIST)
 
+# mypy checks the modules [tool.mypy] lists in pyproject.toml (the ones that check clean).
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Regenerate the protobuf/gRPC modules (committed; tests/test_protos.py checks they are current).
 protos: $(STAMP)
