@@ -146,8 +146,8 @@ def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.n
 def _state_template(config: TransformerConfig) -> tuple:
     """(treedef, names, shapes) of the model's parameter state, names and shapes in the
     treedef's leaf order: a state is its leaves put back in that tree. Cached: a sampler
-    builds one per push, and rebuilding the tree Variable by Variable cost ~0.8 ms for even
-    a tiny model, against ~0.06 ms."""
+    builds one per push, and rebuilding the tree Variable by Variable costs more than the
+    rest of a tiny model's push (bench/README.md)."""
     abstract = _abstract_flat(config)
     named = nnx.from_flat_state([(path, var.replace(_name(path))) for path, var in abstract])
     names, treedef = jax.tree_util.tree_flatten(named)
