@@ -23,6 +23,7 @@ and a ChatML `chat_template` in `tokenizer_config.json`. Helpers the services sh
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections import Counter
@@ -340,14 +341,8 @@ def stop_string_cut(tokenizer, ids: Sequence[int], stop_strings: Sequence[str]) 
 
     if not stop_strings or not has_stop(len(ids)):
         return None
-    lo, hi = 1, len(ids)  # the shortest prefix with a stop string lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if has_stop(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    # has_stop is monotone in n (a longer prefix keeps the stop string): the first n it holds for
+    return bisect.bisect_left(range(len(ids) + 1), True, lo=1, key=has_stop)
 
 
 def _bytes_to_unicode() -> dict[str, int]:

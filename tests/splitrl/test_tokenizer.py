@@ -135,3 +135,16 @@ def test_byte_level_bytes_of_other_tokenizers_are_none():
     words.pre_tokenizer, words.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
     tok = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]")
     assert tk.ByteLevelBytes(tok)(tok.encode("one two", add_special_tokens=False)) is None
+
+
+
+def test_stop_string_cut_ends_at_the_token_that_completes_the_first_stop(char_dir):
+    tok = tk.load_tokenizer(str(char_dir))
+    ids = tok.encode("1+2=3+4=9", add_special_tokens=False)  # one token per character
+    assert len(ids) == 9
+    assert tk.stop_string_cut(tok, ids, ["="]) == 4
+    assert tk.stop_string_cut(tok, ids, ["3+4"]) == 7
+    assert tk.stop_string_cut(tok, ids, ["9"]) == 9
+    assert tk.stop_string_cut(tok, ids, ["=9", "+2"]) == 3  # whichever is written first
+    assert tk.stop_string_cut(tok, ids, ["x"]) is None
+    assert tk.stop_string_cut(tok, ids, []) is None

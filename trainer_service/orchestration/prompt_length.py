@@ -22,6 +22,7 @@ other limits is told that the data changed.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -184,11 +185,6 @@ def truncate_left(row: Row, limit: int, count: Counter, tokenizer) -> Row | None
 
     if not fits(total):
         return None
-    lo, hi = 0, total  # fits(hi) holds; find the smallest k that fits
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return _without_first(row, segments, ids, hi, tokenizer)
+    # fits is monotone in k (dropping more tokens never makes a row longer): the smallest k
+    k = bisect.bisect_left(range(total + 1), True, key=fits)
+    return _without_first(row, segments, ids, k, tokenizer)
