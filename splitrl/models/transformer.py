@@ -150,8 +150,25 @@ class CausalLM(nnx.Module):
         policy = REMAT_POLICIES[self.remat]
         if policy is not None:
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
-        (x, attention, _), _ = jax.lax.scan(layer_step, (x, attention, jnp.int32(0)), layers)
+        (x, attention, _), _ = jax.lax.scan(layer_step, (x, attention, jnp.int32(0)), layers,
+                                            unroll=_layer_unroll())
         return self.model.norm(x), attention
+
+
+def _layer_unroll() -> bool | int:
+    """The layer scan's ``unroll``: 1 (a loop, compile time flat in depth), except on several
+    CPU devices, where the scan is unrolled whole (True).
+
+    XLA:CPU's thunk executor can run a loop that holds collectives (the fsdp all-gathers of a
+    layer's weights, a tensor-parallel all-reduce) concurrently with a collective outside it,
+    in a different order on different devices; each device then waits in a rendezvous the
+    others never reach, and the process aborts after 40 s. A trainer on fsdp=4 CPU devices hit
+    it deterministically on one batch shape (tests/e2e/test_rewards_and_data.py, truncated
+    long prompt). Unrolled, the collectives are all top-level and ordered. TPU and GPU keep
+    the loop."""
+    if jax.default_backend() == "cpu" and jax.device_count() > 1:
+        return True
+    return 1
 
 
 def _stacked_layers(config: TransformerConfig, kw: dict, rngs: nnx.Rngs, std: float):
