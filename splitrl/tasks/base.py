@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from splitrl.model_path import looks_like_hub_id
 from splitrl.registry import Registry
 from splitrl.reward_protocol import jsonable
 
@@ -180,9 +181,8 @@ def _split_files(directory: Path, split: str) -> list[Path]:
 
 
 def _looks_like_hub_name(text: str) -> bool:
-    parts = text.split("/")
-    return (0 < len(parts) <= 2 and all(parts) and not text.startswith((".", "~"))
-            and Path(text).suffix not in _FILE_FORMATS)
+    """A hub id's shape (as for models), and not the name of a data file."""
+    return looks_like_hub_id(text) and Path(text).suffix not in _FILE_FORMATS
 
 
 def make_row(prompt_id: str, reference: str, columns: dict[str, Any], *,
