@@ -128,7 +128,8 @@ def main() -> int:
             sys.stderr.write(proc.stderr)
             return proc.returncode
         results[depth] = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"load average {os.getloadavg()[0]:.2f} (2 cores shared: wall seconds are noisy)")
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (wall seconds are "
+          "noisy when other processes share them)")
     print(f"{'program':<10} " + "  ".join(f"{d:>3} layers wall/cpu s" for d in results))
     for name in results[args.shallow]:
         cells = "  ".join(f"{results[d][name][0]:>9.2f} /{results[d][name][1]:>6.2f}"
