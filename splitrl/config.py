@@ -470,6 +470,13 @@ class TrainerConfig(Section):
     capacity instead."""
     push_every: PositiveInt = 1
     """Push new weights to the samplers every N steps (at most max_staleness + 1)."""
+    rollout_timeout_s: PositiveFloat = 600.0
+    """Deadline of one Rollout call to a sampler, from sending the request (its prompts x
+    algorithm.group_size completions, generated and scored) to its last scored group. A call
+    past it counts as a sampler failure and its prompts go to another sampler. Raise it where
+    one request is slow (a deep model on CPU, long completions, a large request); lower it to
+    give up on a hung sampler sooner. It must exceed sampler.reward_timeout_s: a request
+    includes scoring."""
     seed: int = 0
     """The run's seed: with the prompt's uid it makes the noise of every completion."""
     run_dir: str = "runs/latest"
@@ -682,6 +689,12 @@ class Config(Section):
     """Addresses, membership and security of the services."""
 
     def model_post_init(self, _context) -> None:
+        if self.trainer.rollout_timeout_s <= self.sampler.reward_timeout_s:
+            raise ConfigError(
+                f"trainer.rollout_timeout_s: a Rollout call includes scoring, so it must "
+                f"exceed sampler.reward_timeout_s={self.sampler.reward_timeout_s:g}; got "
+                f"{self.trainer.rollout_timeout_s:g} (raise it, or lower "
+                f"sampler.reward_timeout_s)")
         room = self.sampler.max_sequence_length - self.sampling.max_new_tokens
         if room < 1:
             raise ConfigError(

@@ -205,3 +205,16 @@ def test_weight_sync_keys_are_typed_and_checked():
         load_config(None, ["trainer.push.transport=carrier-pigeon"])
     with pytest.raises(ConfigError, match=r"sampler\.dtype"):
         load_config(None, ["sampler.dtype=float16"])
+
+
+def test_the_rollout_timeout_is_a_setting_that_outlasts_scoring():
+    assert load_config(None, []).trainer.rollout_timeout_s == 600.0
+    assert load_config(None, ["trainer.rollout_timeout_s=1800"]).trainer.rollout_timeout_s == 1800
+    with pytest.raises(ConfigError, match=r"trainer\.rollout_timeout_s: expected a value > 0"):
+        load_config(None, ["trainer.rollout_timeout_s=0"])
+    with pytest.raises(ConfigError, match=r"trainer\.rollout_timeout_s: a Rollout call includes "
+                                          r"scoring, so it must exceed "
+                                          r"sampler\.reward_timeout_s=120; got 60"):
+        load_config(None, ["trainer.rollout_timeout_s=60"])
+    cfg = load_config(None, ["trainer.rollout_timeout_s=60", "sampler.reward_timeout_s=30"])
+    assert cfg.trainer.rollout_timeout_s == 60

@@ -4,14 +4,15 @@ It speaks the real protocol on 127.0.0.1 through the project's own server (auth 
 health), so the dispatcher and the sampler pool are exercised over real gRPC. What it cannot
 do is generate: completions are fixed tokens and the reward is 1 for prompts whose text ends
 in "+0=" (so tests can make groups with or without signal). The failure modes real samplers
-show are scripted: die after k groups, report older weights, refuse invalid prompts, or find
-the reward service down. (The real sampler is tested in tests/sampler_service and end to end in
-tests/e2e; this double exists to make each failure happen on cue.)
+show are scripted: die after k groups, stall, report older weights, refuse invalid prompts,
+or find the reward service down. (The real sampler is tested in tests/sampler_service and end
+to end in tests/e2e; this double exists to make each failure happen on cue.)
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class Script:
     version: int = 0
     capacity: int = 64
     fail_after: int | None = None  # abort with UNAVAILABLE after this many groups (once)
+    stall_s: float = 0.0  # the first request answers nothing this long (or until cancelled)
     behind: bool = False  # answer FAILED_PRECONDITION (weights older than asked)
     reward_down: int = 0  # answer UNAVAILABLE, cause REWARD_UNAVAILABLE, this many times
     refuse_text: str = "BAD"  # INVALID_ARGUMENT for a request holding a prompt with this
@@ -69,6 +71,10 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
             self.requests.append(request)
             down = script.reward_down > 0
             script.reward_down -= int(down)
+            stall_s, script.stall_s = script.stall_s, 0.0
+        until = time.monotonic() + stall_s
+        while context.is_active() and time.monotonic() < until:
+            time.sleep(0.01)
         if script.behind or request.min_version > script.version:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"min_version is {request.min_version} but this sampler serves "

@@ -16,6 +16,7 @@ from trainer_service.orchestration.rollouts import TRAIN, WorkItem, item_seed
 
 SAMPLING = common_pb2.SamplingParams(temperature=1.0, max_new_tokens=2)
 WAIT_S = 60  # a bound for the test, never reached when things work
+ROLLOUT_TIMEOUT_S = 60.0  # trainer.rollout_timeout_s: never reached (one test sets its own)
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def run_dispatch(pool, lane, items, n=None):
     queue."""
     queue = RolloutQueue([lane])
     queue.add(items)
-    dispatcher = Dispatcher(pool, queue)
+    dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
     dispatcher.start()
     try:
         taken = queue.take(TRAIN, n or len(items), timeout_s=WAIT_S)
@@ -83,6 +84,27 @@ def test_a_sampler_dying_mid_request_hands_its_prompts_to_another(samplers):
     assert handle.state == SUSPECT
 
 
+def test_a_rollout_past_its_deadline_hands_its_prompts_to_another(samplers):
+    # trainer.rollout_timeout_s bounds each Rollout call: a sampler that stalls past it is
+    # failed like a dead one, and its prompts are generated elsewhere.
+    stalled = samplers("stalled", stall_s=WAIT_S, capacity=8)
+    healthy = samplers("healthy", capacity=8)
+    pool, _ = pool_of(stalled, healthy)
+    queue = RolloutQueue([Lane(TRAIN, 2, SAMPLING)])
+    queue.add(work(8))
+    dispatcher = Dispatcher(pool, queue, rollout_timeout_s=0.5)
+    dispatcher.start()
+    try:
+        taken = queue.take(TRAIN, 8, timeout_s=WAIT_S)
+    finally:
+        dispatcher.stop()
+        pool.stop()
+    assert [g.item.seq for g in taken.groups] == list(range(8))
+    assert len(stalled.requests) == 1 and queue.counts["redispatched"] >= 1
+    assert {g.sampler_id for g in taken.groups} == {"healthy"}
+    assert next(h for h in pool.all() if h.sampler_id == "stalled").state == SUSPECT
+
+
 def test_requests_carry_each_prompts_seed_and_fixed_units_whatever_the_samplers(samplers):
     seen = []
     for count in (1, 2):
@@ -108,7 +130,7 @@ def test_synchronous_steps_rotate_over_every_sampler(samplers):
     group = [samplers(f"s{i}", capacity=64) for i in range(3)]
     pool, _ = pool_of(*group)
     queue = RolloutQueue([Lane(TRAIN, 4, SAMPLING, request_size=4)])
-    dispatcher = Dispatcher(pool, queue)
+    dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
     dispatcher.start()
     items = work(24)
     try:
@@ -127,7 +149,7 @@ def test_a_sampler_behind_on_weights_is_resynced_not_blamed(samplers):
     queue = RolloutQueue([Lane(TRAIN, 2, SAMPLING)])
     queue.set_version(3)
     queue.add(work(2))
-    dispatcher = Dispatcher(pool, queue)
+    dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
     assert dispatcher.dispatch_once()
     handle = pool.all()[0]
     _wait(lambda: handle.state == NEW, "the sampler to be marked for a resync")
@@ -146,7 +168,7 @@ def test_an_invalid_prompt_is_isolated_then_dropped_and_the_others_train(sampler
     lane = Lane(TRAIN, 2, SAMPLING)
     queue = RolloutQueue([lane])
     queue.add(work(4, texts))
-    dispatcher = Dispatcher(pool, queue)
+    dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
     dispatcher.start()
     try:
         assert queue.take(TRAIN, 4, timeout_s=WAIT_S).shortfall == 1

@@ -106,8 +106,10 @@ def group_from_wire(item: WorkItem, msg: sampler_pb2.ScoredGroup,
 class Dispatcher:
     """Keeps samplers busy with the queue's work; see the module docstring."""
 
-    def __init__(self, pool: SamplerPool, queue: RolloutQueue, *, metadata: tuple = (),
-                 rollout_timeout_s: float = 600.0):
+    def __init__(self, pool: SamplerPool, queue: RolloutQueue, *, rollout_timeout_s: float,
+                 metadata: tuple = ()):
+        """``rollout_timeout_s``: the deadline of each Rollout call
+        (``trainer.rollout_timeout_s``); a call past it fails like a dead sampler."""
         self.pool = pool
         self.queue = queue
         self.metadata = metadata

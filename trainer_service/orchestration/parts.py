@@ -76,7 +76,8 @@ def build_leader_parts(cfg: Config, *, tokenizer, metadata: tuple, run_dir,
     pool = SamplerPool(cfg.services,
                        max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
                        on_join=sync_new_sampler, identity=identity)
-    dispatcher = Dispatcher(pool, queue, metadata=metadata)
+    dispatcher = Dispatcher(pool, queue, metadata=metadata,
+                            rollout_timeout_s=cfg.trainer.rollout_timeout_s)
     publisher = WeightPublisher(pool, metadata=metadata, auth=cfg.services.auth,
                                 push=cfg.trainer.push, lora=lora,
                                 base_fingerprint=identity.base_fingerprint if identity else None)
