@@ -61,7 +61,7 @@ def check_results(out: Any, n: int) -> list[tuple[float, str, str]]:
 def check_value(value: Any) -> tuple[float, str, str]:
     """(score, reason, status) of one returned value."""
     if value is None:
-        return 0.0, NO_SCORE, "ok"
+        return 0.0, NO_SCORE, "none"
     if isinstance(value, (str, bytes)):  # float("1") works, but a string is not a score
         return 0.0, f"{ERROR_PREFIX}score is not a number: {type(value).__name__}", "error"
     try:

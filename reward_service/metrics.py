@@ -8,7 +8,7 @@ ITEMS = Counter("splitrl_reward_items_total", "Items scored (rate() gives items/
 REQUESTS = Counter("splitrl_reward_requests_total", "Score requests", ["code"])
 OUTCOMES = Counter(
     "splitrl_reward_function_outcomes_total",
-    "Function calls by outcome (ok, timeout, error, nonfinite, cancelled)",
+    "Function calls by outcome (ok, none, timeout, error, nonfinite, cancelled)",
     ["function", "outcome"],
 )
 TIMEOUTS = Counter("splitrl_reward_timeouts_total", "Items that hit a time limit", ["function"])

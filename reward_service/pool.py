@@ -55,7 +55,7 @@ PRELOAD = ["reward_service._worker", "reward_service.math_accuracy", "reward_ser
 class Outcome:
     score: float
     reason: str = ""
-    status: str = "ok"  # ok | timeout | error | nonfinite | cancelled
+    status: str = "ok"  # ok | none | timeout | error | nonfinite | cancelled (scoring.OUTCOMES)
     seconds: float = 0.0
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from reward_service.pool import WorkerPool
 from reward_service.registry import FunctionSpec, RewardFunction, describe, resolve
 from splitrl.config import RewardConfig
+from splitrl.reward_protocol import RewardOutcome
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,21 @@ class ItemResult:
     item_id: str
     scores: dict[str, float]
     total: float
-    reasons: dict[str, str]
-    statuses: dict[str, str]
+    reasons: dict[str, str]  # for people
+    statuses: dict[str, str]  # the worker pool's status of each call (metric labels)
+
+    @property
+    def outcomes(self) -> dict[str, RewardOutcome]:
+        """How each call went, for the functions whose call was not an ordinary score."""
+        outcomes = {name: OUTCOMES[status] for name, status in self.statuses.items()}
+        return {name: o for name, o in outcomes.items() if o != RewardOutcome.SCORED}
+
+
+# The worker pool's statuses (reward_service.pool.Outcome.status) as the wire's outcomes; a
+# cancelled call's reply is never sent, and would not be a score.
+OUTCOMES = {"ok": RewardOutcome.SCORED, "none": RewardOutcome.NO_SCORE,
+            "error": RewardOutcome.ERROR, "nonfinite": RewardOutcome.NON_FINITE,
+            "timeout": RewardOutcome.TIMEOUT, "cancelled": RewardOutcome.ERROR}
 
 
 def specs_from_config(cfg: RewardConfig) -> list[FunctionSpec]:

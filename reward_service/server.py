@@ -105,7 +105,7 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
         reply = reward_pb2.ScoreReply()
         for r in results:
             reply.scores.add(item_id=r.item_id, scores=r.scores, total=r.total,
-                             reasons=r.reasons)
+                             reasons=r.reasons, outcomes=r.outcomes)
             for name, status in r.statuses.items():
                 metrics.OUTCOMES.labels(name, status).inc()
         seconds = time.perf_counter() - start

@@ -451,6 +451,7 @@ class RolloutWorker:
                 completion.rewards.update(dict(s.scores))
                 completion.total_reward = s.total
                 completion.reward_reasons.update(dict(s.reasons))
+                completion.reward_outcomes.update(dict(s.outcomes))
             out.append(sampler_pb2.ScoredGroup(
                 request_id=request.request_id, prompt_id=prompt.prompt_id,
                 prompt_token_ids=prompt.token_ids, completions=done,

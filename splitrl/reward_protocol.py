@@ -7,17 +7,22 @@
   ``ScoreItem.columns_json``), so that a column keeps its type (an int stays an int, a list a
   list) on its way from the dataset to the reward functions. A value JSON cannot hold (a date,
   bytes) travels as its ``str``.
-- **Reasons** (``ItemScore.reasons``, ``Completion.reward_reasons``): a failed call says so with
-  ``"timeout"``, ``"error: ..."`` or ``"non-finite score: ..."``; ``"no score (None)"`` is a
-  function declining to score (TRL's ``None``); any other reason is the function's explanation
-  of an ordinary score. :func:`classify_reason` is the one reading of that vocabulary.
+- **Outcomes** (``ItemScore.outcomes``, ``Completion.reward_outcomes``): how each function's
+  call went for a completion, a :class:`RewardOutcome` (absent: an ordinary score). Decisions
+  (the trainer's reward error policy) read the outcome.
+- **Reasons** (``ItemScore.reasons``, ``Completion.reward_reasons``): the same, for people:
+  ``"timeout"``, ``"error: ..."``, ``"non-finite score: ..."``, ``"no score (None)"`` or the
+  function's own explanation of its score. Shown and logged, never parsed.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
-from typing import Any, Literal
+from typing import Any
+
+from splitrl.v1 import common_pb2
 
 TIMEOUT = "timeout"
 ERROR_PREFIX = "error: "
@@ -31,21 +36,30 @@ RESERVED_KEYWORDS = frozenset({
     "completion_tokens", "truncated", "trainer_state", "batch", "prompt_messages",
 })
 
-Outcome = Literal["ok", "none", "error", "timeout"]
 
+class RewardOutcome(enum.IntEnum):
+    """How one reward function's call went for one completion: the wire's ``RewardOutcome``
+    (its numbers come from the proto). Every outcome but ``SCORED`` scores 0."""
 
-def classify_reason(reason: str) -> Outcome:
-    """What a reason says about a score: a failure (``error``, ``timeout``), no score
-    (``none``) or an ordinary score, explained or not (``ok``)."""
-    if not reason:
-        return "ok"
-    if reason == TIMEOUT:
-        return "timeout"
-    if reason.startswith((ERROR_PREFIX, NONFINITE_PREFIX)):
-        return "error"
-    if reason == NO_SCORE:
-        return "none"
-    return "ok"
+    SCORED = common_pb2.REWARD_OUTCOME_SCORED
+    NO_SCORE = common_pb2.REWARD_OUTCOME_NO_SCORE  # declined to score (TRL's None)
+    ERROR = common_pb2.REWARD_OUTCOME_ERROR
+    NON_FINITE = common_pb2.REWARD_OUTCOME_NON_FINITE
+    TIMEOUT = common_pb2.REWARD_OUTCOME_TIMEOUT
+
+    @classmethod
+    def from_wire(cls, value: int) -> RewardOutcome:
+        """The outcome a peer sent; one this side does not know (a newer peer's) counts as an
+        error: it is not an ordinary score."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.ERROR
+
+    @property
+    def failed(self) -> bool:
+        """The function failed (a wrong training signal), as opposed to scoring or declining."""
+        return self in (RewardOutcome.ERROR, RewardOutcome.NON_FINITE, RewardOutcome.TIMEOUT)
 
 
 def jsonable(value: Any) -> Any:

@@ -3,7 +3,8 @@
 A static scan of the shipped packages: no decision may read an error's message. It flags a
 comparison or containment test (``==``, ``!=``, ``in``, ``not in``) or a ``startswith`` /
 ``endswith`` whose subject is a gRPC error's ``.details()``, an exception's ``str(e)`` or a
-variable named like a message (``details``, ``message``, ``msg``, ``error``, ``err``). A cause
+variable named like a message (``details``, ``message``, ``msg``, ``error``, ``err``,
+``reason``). A cause
 the status code cannot tell apart travels as trailing metadata (``splitrl.error_cause``).
 """
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("splitrl", "sampler_service", "trainer_service", "reward_service")
-MESSAGE_NAMES = frozenset({"details", "message", "msg", "error", "err"})
+# A reward function's reason ("timeout", "error: ...") is a message too: its outcome is typed.
+MESSAGE_NAMES = frozenset({"details", "message", "msg", "error", "err", "reason", "reasons"})
 
 # Where a message is read, each with why.
 ALLOWED = {
@@ -24,6 +26,10 @@ ALLOWED = {
     # Not a decision: pydantic's message for a config error is reworded for people, without
     # repeating the key it already starts with.
     ("splitrl/config_base.py", "_one"),
+    # Not a decision on the words: a reason equal to the last one reported is not logged (or
+    # health not flipped) again.
+    ("trainer_service/orchestration/membership.py", "_refuse"),
+    ("trainer_service/server.py", "_loop"),
 }
 
 
@@ -88,3 +94,10 @@ def test_the_scan_flags_what_the_trainer_used_to_do():
               "        return 2\n"
               "    return e.details().startswith('INCOMPATIBLE')\n")
     assert len(_findings(sample, "sample.py")) == 3
+    # The trainer's old reading of reward reasons (splitrl.reward_protocol.classify_reason).
+    sample = ("def classify_reason(reason):\n"
+              "    if reason == 'timeout':\n"
+              "        return 'timeout'\n"
+              "    if reason.startswith(('error: ', 'non-finite score: ')):\n"
+              "        return 'error'\n")
+    assert len(_findings(sample, "sample.py")) == 2

@@ -1,10 +1,24 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RewardOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REWARD_OUTCOME_SCORED: _ClassVar[RewardOutcome]
+    REWARD_OUTCOME_NO_SCORE: _ClassVar[RewardOutcome]
+    REWARD_OUTCOME_ERROR: _ClassVar[RewardOutcome]
+    REWARD_OUTCOME_NON_FINITE: _ClassVar[RewardOutcome]
+    REWARD_OUTCOME_TIMEOUT: _ClassVar[RewardOutcome]
+REWARD_OUTCOME_SCORED: RewardOutcome
+REWARD_OUTCOME_NO_SCORE: RewardOutcome
+REWARD_OUTCOME_ERROR: RewardOutcome
+REWARD_OUTCOME_NON_FINITE: RewardOutcome
+REWARD_OUTCOME_TIMEOUT: RewardOutcome
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids", "seed", "has_seed", "greedy")
@@ -64,7 +78,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "rewards", "total_reward", "reward_reasons", "weight_versions")
+    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "rewards", "total_reward", "reward_reasons", "weight_versions", "reward_outcomes")
     class RewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +93,13 @@ class Completion(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class RewardOutcomesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RewardOutcome
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RewardOutcome, str]] = ...) -> None: ...
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +108,7 @@ class Completion(_message.Message):
     TOTAL_REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_REASONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
@@ -95,7 +117,8 @@ class Completion(_message.Message):
     total_reward: float
     reward_reasons: _containers.ScalarMap[str, str]
     weight_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rewards: _Optional[_Mapping[str, float]] = ..., total_reward: _Optional[float] = ..., reward_reasons: _Optional[_Mapping[str, str]] = ..., weight_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    reward_outcomes: _containers.ScalarMap[str, RewardOutcome]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rewards: _Optional[_Mapping[str, float]] = ..., total_reward: _Optional[float] = ..., reward_reasons: _Optional[_Mapping[str, str]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward_outcomes: _Optional[_Mapping[str, RewardOutcome]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "generate_s", "score_s")

@@ -53,7 +53,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ..., functions: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ItemScore(_message.Message):
-    __slots__ = ("item_id", "scores", "total", "reasons")
+    __slots__ = ("item_id", "scores", "total", "reasons", "outcomes")
     class ScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,15 +68,24 @@ class ItemScore(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class OutcomesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _common_pb2.RewardOutcome
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.RewardOutcome, str]] = ...) -> None: ...
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     scores: _containers.ScalarMap[str, float]
     total: float
     reasons: _containers.ScalarMap[str, str]
-    def __init__(self, item_id: _Optional[str] = ..., scores: _Optional[_Mapping[str, float]] = ..., total: _Optional[float] = ..., reasons: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    outcomes: _containers.ScalarMap[str, _common_pb2.RewardOutcome]
+    def __init__(self, item_id: _Optional[str] = ..., scores: _Optional[_Mapping[str, float]] = ..., total: _Optional[float] = ..., reasons: _Optional[_Mapping[str, str]] = ..., outcomes: _Optional[_Mapping[str, _common_pb2.RewardOutcome]] = ...) -> None: ...
 
 class ScoreReply(_message.Message):
     __slots__ = ("scores", "seconds")

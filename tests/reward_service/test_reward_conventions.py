@@ -15,6 +15,7 @@ import pytest
 
 from reward_service import resolve
 from reward_service.conventions import TrainerState, detect
+from splitrl.reward_protocol import RewardOutcome
 from splitrl.v1 import common_pb2, reward_pb2
 
 P = "pathological_rewards:"
@@ -108,6 +109,7 @@ def test_trl_multi_task_example_scores_none_as_no_score(reward_stub):
         "", "no score (None)", "", "no score (None)"]
     # The guide's coding function tests t == "coding" while its data says "code": all None.
     assert all(s.reasons[code_fn] == "no score (None)" for s in reply.scores)
+    assert all(s.outcomes[code_fn] == RewardOutcome.NO_SCORE for s in reply.scores)
 
 
 def test_trl_async_example(reward_stub):
@@ -172,6 +174,8 @@ def test_a_hung_batch_times_out_every_item_and_frees_its_worker(reward_stub):
     items = [item(str(i), group="g") for i in range(3)]
     reply = score(reward_stub, items, [P + "hang_ignoring_alarm"])
     assert [s.reasons[P + "hang_ignoring_alarm"] for s in reply.scores] == ["timeout"] * 3
+    assert {s.outcomes[P + "hang_ignoring_alarm"] for s in reply.scores} == {
+        RewardOutcome.TIMEOUT}
     reply = score(reward_stub, [item("\\boxed{7}", reference="7")], ["math_accuracy"])
     assert reply.scores[0].scores["math_accuracy"] == 1.0
 
@@ -181,6 +185,8 @@ def test_a_failing_batch_fails_every_item_with_its_reason(reward_stub):
                   [P + "wrong_length", P + "raise_error"])
     for s in reply.scores:
         assert s.reasons[P + "wrong_length"] == "error: returned 2 scores for 3 completions"
+        assert s.outcomes[P + "wrong_length"] == s.outcomes[P + "raise_error"] == (
+            RewardOutcome.ERROR)
         assert s.reasons[P + "raise_error"] == (
             "error: RuntimeError: this reward function is broken")
 

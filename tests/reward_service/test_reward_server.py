@@ -14,6 +14,7 @@ from reward_server_setup import (
     USER_TIMEOUT_S,
 )
 
+from splitrl.reward_protocol import RewardOutcome
 from splitrl.v1 import reward_pb2
 
 P = "pathological_rewards:"
@@ -35,6 +36,7 @@ def assert_still_correct(stub):
                   ["math_accuracy"])
     assert reply.scores[0].scores["math_accuracy"] == 1.0
     assert dict(reply.scores[0].reasons) == {"math_accuracy": "answer '72'"}  # full marks say why
+    assert not reply.scores[0].outcomes  # an ordinary score
 
 
 def test_health_and_list_reward_functions(reward_stub):
@@ -110,6 +112,13 @@ def test_pathological_input_scores_zero_with_a_reason_in_time(reward_stub, case)
     for name in functions:
         assert result.scores[name] == 0.0, (case, name, dict(result.reasons))
         assert result.reasons[name], (case, name)
+        # The case's expected reason, told apart by its outcome on the wire: a cut-off call,
+        # a failed one, or the function's own explanation of an ordinary 0.
+        expected = (RewardOutcome.TIMEOUT if reason == "timeout" else RewardOutcome.ERROR
+                    if reason.startswith("error: ") else RewardOutcome.NON_FINITE
+                    if reason.startswith("non-finite") else RewardOutcome.SCORED)
+        if reason:
+            assert result.outcomes.get(name, RewardOutcome.SCORED) == expected, (case, name)
         if reason:
             assert result.reasons[name] == reason, (case, name, dict(result.reasons))
     assert result.total == 0.0
@@ -136,6 +145,7 @@ def test_a_hung_function_does_not_block_other_requests(reward_server, reward_stu
     assert [s.scores["math_accuracy"] for s in reply.scores] == [1.0] * 20
     stuck = hung.result()  # then the hung call is cut at its limit, and says so
     assert stuck.scores[0].reasons[P + "hang_when_asked"] == "timeout"
+    assert stuck.scores[0].outcomes[P + "hang_when_asked"] == RewardOutcome.TIMEOUT
     reward_server.hang_marker.unlink()
 
 

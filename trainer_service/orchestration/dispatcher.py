@@ -31,7 +31,7 @@ import grpc
 
 from splitrl.config import SamplingConfig
 from splitrl.error_cause import Cause, cause_of
-from splitrl.reward_protocol import encode_columns
+from splitrl.reward_protocol import RewardOutcome, encode_columns
 from splitrl.v1 import common_pb2, sampler_pb2
 from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
 from trainer_service.orchestration.queue import Claim, Failure, RolloutQueue
@@ -86,6 +86,7 @@ def group_from_wire(item: WorkItem, msg: sampler_pb2.ScoredGroup,
             finish_reason=c.finish_reason,
             text=c.text,
             reasons=dict(c.reward_reasons),
+            outcomes={name: RewardOutcome.from_wire(v) for name, v in c.reward_outcomes.items()},
             weight_versions=list(c.weight_versions) or [msg.weight_version],
         )
         for c in msg.completions

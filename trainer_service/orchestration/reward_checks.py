@@ -1,8 +1,9 @@
 """The trainer's reward error policy: failing reward functions are loud, counted, and stop a run.
 
-A reward function *fails* on a completion when the reward service reports it in the
-completion's reasons: ``"error: ..."`` (it raised, returned the wrong number of scores, a
-non-number or a non-finite one, or its worker died) or ``"timeout"``. Such a completion scores
+A reward function *fails* on a completion when the reward service reports so in the
+completion's outcomes (``splitrl.reward_protocol.RewardOutcome``): an error (it raised, returned
+the wrong number of scores or a non-number, or its worker died), a non-finite score or a
+timeout; its reason (for people) is logged. Such a completion scores
 0 for that function, which is a wrong training signal, not a neutral one, so:
 
 - every step, each function with failures is logged at error level (timeouts alone: warning)
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitrl.config import RewardConfig
-from splitrl.reward_protocol import classify_reason
+from splitrl.reward_protocol import RewardOutcome
 from trainer_service.orchestration.rollouts import RolloutGroup
 
 log = logging.getLogger(__name__)
@@ -78,16 +79,16 @@ class RewardChecks:
         tallies = {name: FunctionTally() for name in self.functions}
         for group in groups:
             for completion in group.completions:
-                for name in dict.fromkeys([*completion.rewards, *completion.reasons]):
+                for name in dict.fromkeys([*completion.rewards, *completion.outcomes]):
                     t = tallies.setdefault(name, FunctionTally())
                     t.completions += 1
-                    reason = completion.reasons.get(name, "")
-                    outcome = classify_reason(reason)
-                    if outcome in ("error", "timeout"):
-                        t.errors += outcome == "error"
-                        t.timeouts += outcome == "timeout"
-                        t.first_failure = t.first_failure or reason
-                    elif outcome == "ok":
+                    outcome = completion.outcomes.get(name, RewardOutcome.SCORED)
+                    if outcome.failed:
+                        t.errors += outcome != RewardOutcome.TIMEOUT
+                        t.timeouts += outcome == RewardOutcome.TIMEOUT
+                        t.first_failure = (t.first_failure or completion.reasons.get(name)
+                                           or outcome.name.lower())
+                    elif outcome == RewardOutcome.SCORED:
                         t.scored += 1
                         t.total += completion.rewards.get(name, 0.0)
         return tallies

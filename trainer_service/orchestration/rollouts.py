@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from splitrl.reward_protocol import RewardOutcome
+
 TRAIN, EVAL = "train", "eval"
 
 
@@ -64,9 +66,12 @@ class Completion:
     rewards: dict[str, float]
     finish_reason: str
     text: str = ""
-    # Per reward function, why it scored what it did: "timeout", "error: ...", "no score
-    # (None)" or the function's own explanation (splitrl.reward_protocol.classify_reason).
+    # Per reward function, why it scored what it did, for people: "timeout", "error: ...",
+    # "no score (None)" or the function's own explanation.
     reasons: dict[str, str] = field(default_factory=dict)
+    # Per reward function whose call was not an ordinary score: how it went (decisions read
+    # this, never the reasons).
+    outcomes: dict[str, RewardOutcome] = field(default_factory=dict)
     # The weight versions it was generated under, oldest first (several when the sampler
     # applied a push between its tokens).
     weight_versions: list[int] = field(default_factory=list)
