@@ -8,36 +8,34 @@ Protocol on the worker's pipe:
     flushed at the end of each chunk and at least every ``FLUSH_S`` (a message per result
     would wake the parent for every batch, which costs more than the scoring on a busy machine).
 
-Each call (one function on one batch) runs under a soft time limit: ``setitimer`` raises
-:class:`ItemTimeout` (a ``BaseException``, so ``except Exception`` in user code or math-verify
-cannot swallow it). Code that never returns to the interpreter (a huge integer power in C) or
-ignores the signal is killed by the parent at the hard deadline. A call that fails (raises,
-times out, returns the wrong number of scores) fails for every item of its batch.
+Each call (one function on one batch) runs under a soft time limit
+(``splitrl.isolation.soft_time_limit``: a ``BaseException``, so ``except Exception`` in user
+code or math-verify cannot swallow it). Code that never returns to the interpreter (a huge
+integer power in C) or ignores the signal is killed by the parent at the hard deadline. A call
+that fails (raises, times out, returns the wrong number of scores) fails for every item of its
+batch.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import resource
-import signal
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from reward_service.registry import FunctionSpec, resolve
+from splitrl.isolation import (
+    SoftTimeout,
+    ignore_interrupts,
+    install_alarm_handler,
+    limit_memory,
+    soft_time_limit,
+)
 from splitrl.reward_protocol import ERROR_PREFIX, NO_SCORE, NONFINITE_PREFIX, TIMEOUT
 
 MAX_REASON_CHARS = 300
 FLUSH_S = 0.02
-
-
-class ItemTimeout(BaseException):
-    """Raised in a worker when the current item exceeds its time limit."""
-
-
-def _on_alarm(signum, frame):
-    raise ItemTimeout()
 
 
 def short(text: str, limit: int = MAX_REASON_CHARS) -> str:
@@ -83,13 +81,10 @@ def score_batch(fn, items: list[dict[str, Any]],
     """Score one batch with one function under a soft time limit; never raises."""
     n = len(items)
     try:
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
-        try:
+        with soft_time_limit(timeout_s):
             out = fn.score_batch(items)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
         return check_results(out, n)
-    except ItemTimeout:
+    except SoftTimeout:
         return [(0.0, TIMEOUT, "timeout")] * n
     except RecursionError:
         return [(0.0, f"{ERROR_PREFIX}RecursionError: input nested too deeply", "error")] * n
@@ -104,14 +99,9 @@ def score_batch(fn, items: list[dict[str, Any]],
 
 
 def worker_main(conn, specs: Sequence[FunctionSpec], memory_mb: int | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
-    signal.signal(signal.SIGALRM, _on_alarm)
-    if memory_mb:
-        limit = memory_mb * 1024 * 1024
-        try:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        except (ValueError, OSError):
-            pass
+    ignore_interrupts()
+    install_alarm_handler()
+    limit_memory(memory_mb)
     try:
         fns = [resolve(spec.name, spec.options) for spec in specs]
     except BaseException as e:  # noqa: BLE001
@@ -128,8 +118,7 @@ def worker_main(conn, specs: Sequence[FunctionSpec], memory_mb: int | None) -> N
         results, flushed = [], time.perf_counter()
         for task_id, index, items in chunk:
             start = time.perf_counter()
-            # A function may reset SIGALRM's handler (math-verify does); restore ours.
-            signal.signal(signal.SIGALRM, _on_alarm)
+            # (soft_time_limit reinstalls the SIGALRM handler a function may have reset.)
             outcomes = score_batch(fns[index], items, specs[index].timeout_s)
             end = time.perf_counter()
             results.append((task_id, outcomes, end - start))

@@ -1,0 +1,159 @@
+"""Environments: tool-call parsing per format, tool discovery and schemas (TRL's convention),
+the built-ins, and episodes in real isolated worker processes (errors, time-outs, a hung
+tool killed and its episode carried on)."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from splitrl.environments import (
+    ToolCall,
+    ToolRunner,
+    describe,
+    detect_format,
+    make_environment,
+    parse_tool_calls,
+    tool_methods,
+    tool_schemas,
+)
+from splitrl.environments.api import BadArguments, bind_arguments
+from splitrl.environments.builtin import evaluate_arithmetic, run_python
+
+FIX = "tests.splitrl.environment_fixtures:"
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def test_qwen_calls_are_tool_call_blocks_of_json():
+    text = ('Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": '
+            '"2*3"}}\n</tool_call>\n<tool_call>\n{"name": "f", "arguments": "{\\"x\\": 1}"}'
+            '\n</tool_call>')
+    assert parse_tool_calls(text, "qwen") == [ToolCall("calculate", {"expression": "2*3"}),
+                                              ToolCall("f", {"x": 1})]
+    assert parse_tool_calls("The answer is 6.", "qwen") == []
+    bad, unclosed = parse_tool_calls('<tool_call>{"name": calc}</tool_call> <tool_call>{',
+                                     "qwen")
+    assert bad.error.startswith("not valid JSON") and unclosed.error.endswith("</tool_call>")
+
+
+def test_llama3_call_is_the_whole_turn_as_json():
+    assert parse_tool_calls('{"name": "calculate", "parameters": {"expression": "1+1"}}',
+                            "llama3") == [ToolCall("calculate", {"expression": "1+1"})]
+    assert parse_tool_calls('<|python_tag|>{"name": "f", "arguments": {}}', "llama3") == [
+        ToolCall("f", {})]
+    assert parse_tool_calls("It is 2.", "llama3") == []
+    (bad,) = parse_tool_calls('{"parameters": {}}', "llama3")
+    assert bad.error == 'expected a JSON object with a "name" string'
+
+
+def test_tiny_call_is_a_bang_then_name_and_arguments():
+    assert parse_tool_calls("!", "tiny") == [ToolCall("")]
+    assert parse_tool_calls(" !add cat 2", "tiny") == [ToolCall("add", ["cat", "2"])]
+    assert parse_tool_calls("7", "tiny") == []
+
+
+def test_format_is_detected_from_the_chat_template():
+    assert detect_format("{% if tools %}<tool_call>{% endif %}") == "qwen"
+    assert detect_format("{{ '<|start_header_id|>ipython<|end_header_id|>' }}") == "llama3"
+    assert detect_format(None) == "tiny"
+
+
+# ----------------------------------------------------------------------------- the API
+
+
+def test_trl_style_environment_tools_and_schemas():
+    env = make_environment(FIX + "TrlWordCounter")
+    assert sorted(tool_methods(env)) == ["add", "finish"]
+    add = next(s for s in tool_schemas(env) if s["function"]["name"] == "add")
+    assert add["function"]["parameters"] == {
+        "type": "object", "required": ["word"],
+        "properties": {"word": {"type": "string", "description": "The word to add."},
+                       "times": {"type": "integer", "description": "How many times to add it."}}}
+    info = describe("calculator")
+    assert [t["function"]["name"] for t in info.tools] == ["calculate"]
+
+
+def test_positional_arguments_take_the_annotated_types():
+    env = make_environment(FIX + "TrlWordCounter")
+    assert bind_arguments(env.add, ["cat", "3"]) == {"word": "cat", "times": 3}
+    assert bind_arguments(env.add, {"word": "cat"}) == {"word": "cat"}
+    with pytest.raises(BadArguments, match="expected int"):
+        bind_arguments(env.add, ["cat", "three"])
+    with pytest.raises(BadArguments):
+        bind_arguments(env.add, {"colour": "red"})
+
+
+def test_calculator_is_exact_and_refuses_code():
+    assert evaluate_arithmetic("(3 + 4) * 12 / 7") == 12
+    assert evaluate_arithmetic("1,000 * 0.1") == 100
+    assert evaluate_arithmetic("2^10") == 1024
+    assert evaluate_arithmetic("1/3") == Fraction(1, 3)
+    for bad in ("__import__('os')", "9**9**9", "1/0", "x + 1"):
+        with pytest.raises(ValueError):
+            evaluate_arithmetic(bad)
+    assert make_environment("calculator").calculate("10 / 4") == "2.5"
+
+
+def test_python_sandbox_runs_code_without_network_or_forever():
+    assert run_python("print(6 * 7)") == "42\n"
+    out = run_python("import socket\nsocket.create_connection(('127.0.0.1', 9))")
+    assert "PermissionError" in out and "socket" in out
+    assert "timed out after 1 s" in run_python("while True: pass", timeout_s=1.0)
+    assert "MemoryError" in run_python("x = bytearray(1 << 32)", memory_mb=256)
+
+
+# ----------------------------------------------------------------------------- episodes
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with ToolRunner(FIX + "Misbehaving", workers=1, timeout_s=1.0, kill_grace_s=0.5) as r:
+        yield r
+
+
+def test_trl_environment_runs_unchanged_in_a_worker():
+    with ToolRunner(FIX + "TrlWordCounter", workers=1) as r:
+        assert r.tool_names == ["add", "finish"]
+        assert r.start("e", {"word": "cat"}).text == "Target word: cat"
+        assert r.call("e", ToolCall("add", {"word": "cat", "times": 2})).text == "2"
+        assert r.call("e", ToolCall("add", ["cat"])).text == "3"
+        last = r.call("e", ToolCall("finish"))
+        assert (last.status, last.text, last.done, last.reward) == ("ok", "bye", True, 3.0)
+        assert r.end("e") == 3.0
+
+
+def test_errors_become_observations(runner):
+    runner.start("errs", {})
+    unknown = runner.call("errs", ToolCall("nope"))
+    assert unknown.status == "unknown" and "count, fail, hang, sleep" in unknown.text
+    raised = runner.call("errs", ToolCall("fail"))
+    assert (raised.status, raised.text) == ("error", "tool 'fail' raised ValueError: no luck")
+    bad = runner.call("errs", ToolCall("count", ["extra"]))
+    assert bad.status == "malformed"
+    ambiguous = runner.call("errs", ToolCall(""))  # a bare call needs a single tool
+    assert ambiguous.status == "unknown"
+    assert runner.call("errs", ToolCall("count")).text == "1"
+
+
+def test_a_slow_tool_times_out_and_the_episode_goes_on(runner):
+    runner.start("slow", {})
+    assert runner.call("slow", ToolCall("count")).text == "1"
+    slow = runner.call("slow", ToolCall("sleep"))
+    assert slow.status == "timeout" and "timed out after 1 s" in slow.text
+    assert runner.call("slow", ToolCall("count")).text == "2"
+
+
+def test_a_hung_tool_is_killed_and_its_episodes_restored(runner):
+    runner.start("hung", {})
+    runner.start("bystander", {})
+    assert runner.call("bystander", ToolCall("count")).text == "1"
+    assert runner.call("hung", ToolCall("count")).text == "1"
+    pid = runner._workers[0].process.pid
+    hung = runner.call("hung", ToolCall("hang"))
+    assert hung.status == "timeout" and runner._workers[0].process.pid != pid
+    # Both episodes lived on the killed worker: each is started again and its calls replayed.
+    assert runner.call("hung", ToolCall("count")).text == "2"
+    assert runner.call("bystander", ToolCall("count")).text == "2"
