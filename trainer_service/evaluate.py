@@ -78,6 +78,17 @@ def resolve(target: str, config: str | None, overrides: list[str],
     return path, validate(Config, data)
 
 
+def samples_problem(samples: int, max_batch_size: int, where: str = "") -> str | None:
+    """Why pass@k cannot draw ``samples`` completions per prompt from samplers whose batch is
+    ``max_batch_size`` (None: it can). A prompt's completions are decoded together, in one
+    sampler batch: a sampler refuses more, and the prompt would be missing from pass@k."""
+    if samples <= max_batch_size:
+        return None
+    return (f"--samples {samples}: pass@k decodes a prompt's samples together, in one sampler "
+            f"batch, but sampler.max_batch_size is {max_batch_size}{where}. Use --samples (and "
+            f"--k) of at most {max_batch_size}, or sampler.max_batch_size={samples}")
+
+
 def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: list[int],
              stop: threading.Event | None = None, timeout_s: float = 600.0,
              out: Path | None = None) -> dict[str, float]:
@@ -105,8 +116,14 @@ def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: lis
     pool.start()
     dispatcher.start()
     try:
-        wait_until(pool.ready, timeout_s=timeout_s, stop=stop,
-                   what=f"a sampler of {sampler_addresses} ready")
+        ready = wait_until(pool.ready, timeout_s=timeout_s, stop=stop,
+                           what=f"a sampler of {sampler_addresses} ready")
+        if samples:  # a sampler's batch can be smaller than configured (sampler.kv_cache_bytes)
+            smallest = min(ready, key=lambda handle: handle.capacity)
+            problem = samples_problem(samples, smallest.capacity,
+                                      f" at the sampler {smallest.address} (its GetInfo)")
+            if problem is not None:
+                raise ValueError(problem)
         items = eval_items(rows)
         groups = collect_lane(queue, items, EVAL, stop=stop)
         result = eval_metrics(groups, fn, len(items))
@@ -161,6 +178,10 @@ def main(args) -> int:
         _, cfg = resolve(args.target, args.config, overrides, out)
     except (FileNotFoundError, ValueError) as e:
         print(f"splitrl eval: {e}", file=sys.stderr)
+        return 2
+    problem = samples_problem(samples, cfg.sampler.max_batch_size) if ks else None
+    if problem is not None:
+        print(f"splitrl eval: {problem}", file=sys.stderr)
         return 2
     launcher = None
     addresses = list(args.sampler or [])

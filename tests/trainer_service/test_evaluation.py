@@ -1,7 +1,12 @@
-"""Evaluation helpers: the unbiased pass@k, pass@k over groups, and the before -> after line."""
+"""Evaluation helpers: the unbiased pass@k, pass@k over groups, the before -> after line, and
+`splitrl eval` refusing pass@k samples no sampler batch holds."""
 
 import pytest
 
+from splitrl.cli import main as splitrl
+from splitrl.config import load_config
+from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
+from trainer_service.evaluate import evaluate
 from trainer_service.orchestration.evaluation import (
     accuracy_line,
     pass_at_k,
@@ -55,3 +60,31 @@ def test_the_accuracy_line_names_where_a_resumed_run_started():
     assert accuracy_line({"eval_after/accuracy": 0.9, "step": 150.0}) == (
         "greedy accuracy on the evaluation prompts: 0.900 (step 150)")  # a finished run re-run
     assert accuracy_line({"step": 3.0}) is None
+
+
+def test_eval_refuses_more_samples_than_the_configured_sampler_batch(arith_model, tmp_path,
+                                                                     capsys):
+    # A prompt's pass@k samples are decoded in one sampler batch: a sampler refuses more, and
+    # pass@k went on without those prompts. Refused before any service starts.
+    assert splitrl(["eval", str(arith_model), "--k", "1,8", "sampler.max_batch_size=4",
+                    "--out", str(tmp_path)]) == 2
+    assert ("--samples 8: pass@k decodes a prompt's samples together, in one sampler batch, but "
+            "sampler.max_batch_size is 4. Use --samples (and --k) of at most 4, or "
+            "sampler.max_batch_size=8") in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_eval_refuses_more_samples_than_a_running_samplers_batch(arith_model, tmp_path):
+    # The batch a sampler advertises (GetInfo) can be smaller than configured: a KV cache
+    # budget (sampler.kv_cache_bytes) holds fewer rows.
+    sampler = ScriptedSampler("small", Script(capacity=4)).start()
+    cfg = load_config(None, [f"model.path={arith_model}", f"trainer.run_dir={tmp_path}",
+                             "trainer.data.eval_size=2"])
+    try:
+        with pytest.raises(ValueError, match=(
+                rf"--samples 8: .* sampler\.max_batch_size is 4 at the sampler "
+                rf"{sampler.address} \(its GetInfo\)\. Use --samples \(and --k\) of at most 4")):
+            evaluate(cfg, [sampler.address], samples=8, ks=[1, 8], timeout_s=60)
+    finally:
+        sampler.stop()
+    assert sampler.requests == []  # refused before any prompt was sent
