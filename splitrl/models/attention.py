@@ -32,6 +32,7 @@ place inside its decode loop) with the same one-method protocol.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol
 
 import jax
@@ -134,14 +135,54 @@ def blockwise_attend(q, k, v, mask, *, block_q: int = 512, block_kv: int = 512):
     return out.transpose(1, 0, 2, 3, 4, 5).reshape(b, tp, h, dh)[:, :t]
 
 
-def attend(q, k, v, mask):
-    """The model's attention over given keys (`dense_attend`'s signature), by platform: the
-    dense einsum path on CPU (unchanged: fastest there for the lengths a CPU trains), the
-    memory-efficient `blockwise_attend` on TPU and GPU, where the dense path's [B,H,T,S]
-    scores, kept per layer for the backward pass, are what bounds the sequence length.
-    Resolved when the program is lowered for its devices (`jax.lax.platform_dependent`), so
-    a plan compiled for a TPU topology on a CPU host gets the TPU path."""
+# `model.attention`: how attention over given keys runs (training, scoring, prefill).
+ATTENTION_IMPLEMENTATIONS = (
+    # by platform: the XLA path on CPU and GPU; on TPU the splash kernel where the caller set
+    # a mesh (`jax.set_mesh`, as the trainer does) and the mask is causal within segments
+    "auto",
+    # always the XLA path (`xla_attend`)
+    "xla",
+    # always the splash kernel (`splash.splash_attend`); on CPU in Pallas interpret mode
+    "splash",
+)
+
+
+def xla_attend(q, k, v, mask):
+    """The model's attention over given keys in plain XLA ops, by platform: the dense einsum
+    path on CPU (fastest there for the lengths a CPU trains), the memory-efficient
+    `blockwise_attend` on TPU and GPU, where the dense path's [B,H,T,S] scores, kept per
+    layer for the backward pass, are what bounds the sequence length. Resolved when the
+    program is lowered for its devices (`jax.lax.platform_dependent`), so a plan compiled for
+    a TPU topology on a CPU host gets the TPU path."""
     return jax.lax.platform_dependent(q, k, v, mask, cpu=dense_attend, default=blockwise_attend)
+
+
+def attend(q, k, v, mask, segments=None, implementation: str = "auto"):
+    """Attention over given keys (`dense_attend`'s shapes) with ``implementation`` (one of
+    `ATTENTION_IMPLEMENTATIONS`).
+
+    ``segments`` [B,T] int, when given, is ``mask`` in the splash kernel's form: ``mask`` lets
+    query t see key s iff s <= t and segments[b, s] == segments[b, t] (for every real token;
+    see `splash.splash_attend`). Without it the kernel cannot run and the XLA path does.
+    "auto" keeps CPU on `dense_attend`, bit for bit."""
+    if implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention: expected one of {ATTENTION_IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if segments is None or implementation == "xla":
+        return xla_attend(q, k, v, mask)
+    from splitrl.models import splash  # Pallas: imported only where a kernel may run
+
+    if implementation == "splash":
+        return jax.lax.platform_dependent(
+            q, k, v, segments,
+            cpu=functools.partial(splash.splash_attend, interpret=True),
+            default=splash.splash_attend)
+    if jax.sharding.get_abstract_mesh().empty:  # "auto" without a mesh: no shard_map to run in
+        return xla_attend(q, k, v, mask)
+    return jax.lax.platform_dependent(
+        q, k, v, mask, segments,
+        tpu=lambda q, k, v, mask, segments: splash.splash_attend(q, k, v, segments),
+        default=lambda q, k, v, mask, segments: xla_attend(q, k, v, mask))
 
 
 def _slot_attend_streaming(q, k_cache, v_cache, length):
@@ -202,21 +243,28 @@ class DenseAttention:
 
     With ``kv`` (see `keeping_kv`) the returned backend's ``kv`` holds ``(k, v)``
     [L,B,T,K,Dh]: every layer's keys and values (e.g. to fill a generation cache from a
-    prefill).
+    prefill). ``segments`` [B,T] is ``mask`` as causal attention within segments (see
+    `attend`), which lets ``implementation`` (`ATTENTION_IMPLEMENTATIONS`) run the splash
+    kernel.
     """
 
     mask: jax.Array
     kv: tuple | None = None
+    segments: jax.Array | None = None
+    implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
     @classmethod
-    def keeping_kv(cls, mask: jax.Array, config: TransformerConfig, dtype) -> DenseAttention:
+    def keeping_kv(cls, mask: jax.Array, config: TransformerConfig, dtype, *,
+                   segments: jax.Array | None = None,
+                   implementation: str = "auto") -> DenseAttention:
         """A backend that also collects every layer's keys/values (in ``dtype``)."""
         b, t = mask.shape[:2]
         shape = (config.num_layers, b, t, config.num_kv_heads, config.head_dim)
-        return cls(mask, (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+        return cls(mask, (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), segments,
+                   implementation)
 
     def attend(self, layer, q, k, v):
-        out = attend(q, k, v, self.mask)
+        out = attend(q, k, v, self.mask, self.segments, self.implementation)
         if self.kv is None:
             return out, self
         k_all, v_all = self.kv

@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from splitrl.models.attention import (
+    ATTENTION_IMPLEMENTATIONS,
     AttentionBackend,
     DenseAttention,
     KVCacheAttention,
@@ -63,16 +64,23 @@ class CausalLM(nnx.Module):
     Parameters are stored in `param_dtype`; activations are computed in `dtype`; attention
     softmax, norms, RoPE and the logits are float32. `remat` names one of `REMAT_POLICIES`:
     what a backward pass keeps of each decoder layer (a forward-only program is unaffected).
+    `attention` names one of `attention.ATTENTION_IMPLEMENTATIONS`: how attention over the
+    given tokens runs (the splash kernel or XLA ops; cached decoding is unaffected).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None,
-                 rngs: nnx.Rngs, std: float = 0.02, remat: str = "none"):
+                 rngs: nnx.Rngs, std: float = 0.02, remat: str = "none",
+                 attention: str = "auto"):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat: expected one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        if attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention: expected one of {ATTENTION_IMPLEMENTATIONS}, got "
+                             f"{attention!r}")
         param_dtype = dtype if param_dtype is None else param_dtype
         self.config = config
         self.dtype = dtype
         self.remat = remat
+        self.attention = attention
         self.model = Decoder(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, std=std)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -122,7 +130,10 @@ class CausalLM(nnx.Module):
                  else attention_mask.astype(bool))
         query_slot = offset + jnp.arange(t)
         if cache is None:
-            backend = DenseAttention(causal_mask(query_slot, jnp.arange(t), valid))
+            # Segments: real tokens 1, padding 0 (the splash kernel's form of the same mask).
+            backend = DenseAttention(causal_mask(query_slot, jnp.arange(t), valid),
+                                     segments=valid.astype(jnp.int32),
+                                     implementation=self.attention)
         else:
             key_valid = jax.lax.dynamic_update_slice(cache.mask, valid, (0, offset))
             mask = causal_mask(query_slot, jnp.arange(cache.mask.shape[1]), key_valid)
@@ -219,10 +230,11 @@ def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
 
 
 def abstract_model(config: TransformerConfig, dtype=jnp.float32, *, param_dtype=None,
-                   remat: str = "none") -> CausalLM:
+                   remat: str = "none", attention: str = "auto") -> CausalLM:
     """The model with ShapeDtypeStruct leaves (no memory), for its graphdef and shapes."""
     return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype,
-                                           rngs=nnx.Rngs(0), remat=remat))
+                                           rngs=nnx.Rngs(0), remat=remat,
+                                           attention=attention))
 
 
 def apply(graphdef, state, tokens, positions=None, *, attention_mask=None, cache=None,

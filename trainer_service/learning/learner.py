@@ -32,6 +32,7 @@ samplers serve and the export holds: the base with the adapters merged in.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -131,6 +132,7 @@ class Learner:
         seed: int = 0,
         base_fingerprint: str | None = None,
         remat: str = "none",
+        attention: str = "auto",
     ):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training logprobs, got {temperature}")
@@ -153,8 +155,14 @@ class Learner:
         self.base_fingerprint = base_fingerprint  # of the base checkpoint (LoRA runs)
 
         # The policy's forward in the train step, with the `model.remat` policy of its backward
-        # pass (`splitrl.models.transformer.REMAT_POLICIES`).
-        self._graphdef = nnx.split(abstract_model(self.config, self.dtype, remat=remat))[0]
+        # pass (`splitrl.models.transformer.REMAT_POLICIES`) and its `model.attention`
+        # implementation (the splash kernel runs under a shard_map over `mesh`, which the
+        # programs are traced with: see `_on_mesh`).
+        self._graphdef = nnx.split(abstract_model(self.config, self.dtype, remat=remat,
+                                                  attention=attention))[0]
+        platforms = {d.platform for d in mesh.devices.flat}
+        self._kernel_mesh = (mesh if attention == "splash"
+                             or (attention == "auto" and platforms == {"tpu"}) else None)
         flat = hf_from_state(nnx.state(model, nnx.Param))
         # An abstract model (`splitrl.models.abstract_model`: ShapeDtypeStruct leaves) makes an
         # abstract learner: every array below is a sharded ShapeDtypeStruct, nothing is
@@ -231,6 +239,7 @@ class Learner:
             seed=cfg.trainer.seed,
             base_fingerprint=fingerprint,
             remat=cfg.model.remat,
+            attention=cfg.model.attention,
         )
 
     # ------------------------------------------------------------------ the algorithm
@@ -289,16 +298,26 @@ class Learner:
         first_epoch = old is None
         old = [None] * len(micro_batches) if first_epoch else old
         for i, mb in enumerate(micro_batches):
-            grads, logp, m = _grad_step(
-                self._spec, self._settings, grads, self.base_params, self.params, mb,
-                _placeholder(mb) if first_epoch else old[i], first_epoch, ref[i], counts,
-                self._dropout_key(epoch, i),
-            )
+            with self._on_mesh():
+                grads, logp, m = _grad_step(
+                    self._spec, self._settings, grads, self.base_params, self.params, mb,
+                    _placeholder(mb) if first_epoch else old[i], first_epoch, ref[i], counts,
+                    self._dropout_key(epoch, i),
+                )
             old[i] = logp if first_epoch else old[i]
             parts.append(m)
         return grads, old, _combine(parts)
 
     # ------------------------------------------------------------------ helpers
+
+    def _on_mesh(self):
+        """The context the model's programs are traced in: the trainer's mesh set
+        (`jax.set_mesh`) when the splash kernel may run (``model.attention`` "splash", or
+        "auto" on TPU), since a Pallas kernel runs under a shard_map over it; no mesh
+        otherwise, so the XLA path's programs are exactly those traced without a kernel."""
+        if self._kernel_mesh is None:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self._kernel_mesh)
 
     def _updates(self) -> int:
         """Optimizer updates done so far (the schedule's clock)."""
@@ -361,27 +380,29 @@ class Learner:
         params, opt_state, base = (abstract(t) for t in (self.params, self.opt_state,
                                                          self.base_params))
         ref = None if self.algorithm.beta <= 0 else logp
-        lowered = {
-            "grad_step": _grad_step.lower(
-                self._spec, self._settings, params, base, params, mb, logp, scalar(jnp.bool_),
-                ref, counts, self._dropout_key(0, 0),
-            ),
-            "apply_update": _apply_update.lower(self.tx, params, opt_state, params),
-        }
-        if self.lora is not None and self.algorithm.beta > 0:  # the base, adapters off
-            lowered["reference_logprobs"] = _forward.lower(
-                self._spec._replace(lora=None), None, base, mb)
-        elif self.ref_params is not None:
-            lowered["reference_logprobs"] = _forward.lower(
-                self._spec, None, abstract(self.ref_params), mb)
+        with self._on_mesh():
+            lowered = {
+                "grad_step": _grad_step.lower(
+                    self._spec, self._settings, params, base, params, mb, logp,
+                    scalar(jnp.bool_), ref, counts, self._dropout_key(0, 0),
+                ),
+                "apply_update": _apply_update.lower(self.tx, params, opt_state, params),
+            }
+            if self.lora is not None and self.algorithm.beta > 0:  # the base, adapters off
+                lowered["reference_logprobs"] = _forward.lower(
+                    self._spec._replace(lora=None), None, base, mb)
+            elif self.ref_params is not None:
+                lowered["reference_logprobs"] = _forward.lower(
+                    self._spec, None, abstract(self.ref_params), mb)
         return lowered
 
     def _reference_logprobs(self, mb):
         if self.algorithm.beta <= 0:
             return None
-        if self.lora is not None:  # the base model, adapters off
-            return _forward(self._spec._replace(lora=None), None, self.base_params, mb)[0]
-        return _forward(self._spec, None, self.ref_params, mb)[0]
+        with self._on_mesh():
+            if self.lora is not None:  # the base model, adapters off
+                return _forward(self._spec._replace(lora=None), None, self.base_params, mb)[0]
+            return _forward(self._spec, None, self.ref_params, mb)[0]
 
     def _micro_batches(self, batch: TrainBatch, completion_mask) -> list[dict[str, jax.Array]]:
         """Split into micro-batches of equal size (the last padded with fully masked rows, so
@@ -490,7 +511,8 @@ class Learner:
         rows = self._batch_sharding(batch.tokens.shape[0])(2)
         mb = {"tokens": jax.device_put(np.asarray(batch.tokens, np.int32), rows),
               "attention_mask": jax.device_put(np.asarray(batch.attention_mask, bool), rows)}
-        lp = np.asarray(_forward(self._spec, self.base_params, self.params, mb)[0])
+        with self._on_mesh():
+            lp = np.asarray(_forward(self._spec, self.base_params, self.params, mb)[0])
         return np.concatenate([np.zeros((lp.shape[0], 1), lp.dtype), lp], axis=1)
 
     def train_state(self) -> dict[str, Any]:
