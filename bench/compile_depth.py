@@ -5,7 +5,7 @@
 One model config (``--model``: a HF config.json; default: the ``tiny`` preset of
 `splitrl.init_model`, hidden 64) is compiled on this host's CPU at ``--shallow`` (2) and
 ``--deep`` (32) layers, nothing else changed. The programs are the ones a run compiles, built
-the way `splitrl plan` builds them (`splitrl.planning.services`): the trainer's "grad_step"
+the way `splitrl plan` builds them (`splitrl_app.planning.services`): the trainer's "grad_step"
 (forward, backward, accumulation) plus "apply_update" (the optax update), and the sampler's
 "decode" segment (also "prefill" and "admit", printed beside it). Batch shapes come from the
 run config (built-in defaults, a one-device mesh per service, and the small overrides below;
@@ -78,8 +78,8 @@ def measure(args) -> dict:
     import jax
 
     from splitrl.config import load_config
-    from splitrl.planning.services import SamplerPlanner, TrainerPlanner
-    from splitrl.planning.targets import cpu_target
+    from splitrl_app.planning.services import SamplerPlanner, TrainerPlanner
+    from splitrl_app.planning.targets import cpu_target
 
     jax.config.update("jax_enable_compilation_cache", False)
     cfg = load_config(None, SMALL_RUN + list(args.overrides))

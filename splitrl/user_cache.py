@@ -7,7 +7,7 @@
 - ``tokenizer-classes.json``: the tokenizer class `AutoTokenizer` chose for a checkpoint
   (:func:`splitrl.tokenizer.remembered_tokenizer_class`);
 - ``prompt-length-checks.json``: what `splitrl up`'s prompt length check found for a data set
-  and tokenizer (``trainer_service.launcher.check_data``), so the next launch on them loads no
+  and tokenizer (``splitrl_app.launcher.check_data``), so the next launch on them loads no
   tokenizer before the services start.
 
 Deleting the directory is always safe: everything in it is found again, more slowly.

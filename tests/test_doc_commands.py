@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from splitrl import cli
 from splitrl.config import Config, ConfigError, load_config, parse_override
 from splitrl.config_base import _annotation_at, _section
+from splitrl_app import cli
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("**/*.md"))]
@@ -94,7 +94,7 @@ def problem(argv: list[str]) -> str | None:
         try:
             args = cli._parse(cli.build_parser(), argv)
             if args.command == "k8s" and args.k8s_args:
-                from splitrl import k8s
+                from splitrl_app import k8s
 
                 k8s.build_parser().parse_args(args.k8s_args)
         except SystemExit as e:

@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("splitrl", "sampler_service", "trainer_service", "reward_service")
+PACKAGES = ("splitrl", "sampler_service", "trainer_service", "reward_service", "splitrl_app")
 # A reward function's reason ("timeout", "error: ...") is a message too: its outcome is typed.
 MESSAGE_NAMES = frozenset({"details", "message", "msg", "error", "err", "reason", "reasons"})
 

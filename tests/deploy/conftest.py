@@ -9,7 +9,7 @@ import pytest
 import yaml
 from deploy_helpers import OVERLAYS, copy_deploy
 
-from splitrl import k8s
+from splitrl_app import k8s
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from deploy_helpers import DEPLOY, REPO, host_of, interpolate_compose, port_of, venv_tool
 
-from splitrl.cli import build_parser
 from splitrl.config import load_config
+from splitrl_app.cli import build_parser
 
 COMPOSE = DEPLOY / "compose.yaml"
 SERVICES = ("reward", "sampler", "trainer")

@@ -10,8 +10,8 @@ import pytest
 from deploy_helpers import DEPLOY
 from test_compose import _service_config, argv, compose
 
-from splitrl.cli import build_parser
 from splitrl.config import load_config, to_dict
+from splitrl_app.cli import build_parser
 
 DEPLOYMENT_KEYS = {
     "model.path",
@@ -35,7 +35,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def test_container_config_is_the_demo_config_plus_deployment_keys():
-    from trainer_service import launcher as demo_launcher
+    from splitrl_app import launcher as demo_launcher
 
     deployed = _flatten(to_dict(load_config(DEPLOY / "config" / "splitrl.yaml")))
     demo = _flatten(to_dict(load_config(demo_launcher.demo_config_path())))

@@ -11,9 +11,9 @@ import yaml
 from deploy_helpers import DEPLOY, REPO, WORKLOAD_KINDS, containers, find, pod_spec
 from test_compose import compose
 
-from splitrl import k8s
-from splitrl.cli import build_parser
 from splitrl.config import load_config
+from splitrl_app import k8s
+from splitrl_app.cli import build_parser
 
 GUIDE = REPO / "docs" / "deploy.md"
 
@@ -280,7 +280,7 @@ def test_paths_the_guide_mentions_exist_or_are_generated(path):
 def test_plan_commands_plan_the_overlays_node_pools(rendered):
     """`splitrl plan` in the guide compiles for the slices the gke-tpu node selectors request,
     with the meshes the containers set (tests/deploy/test_gke_tpu_plan.py runs the plan)."""
-    from splitrl.planning.targets import gke_topology
+    from splitrl_app.planning.targets import gke_topology
 
     plans = by_tool("splitrl", "plan")
     assert plans

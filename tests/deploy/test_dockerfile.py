@@ -12,8 +12,8 @@ import tomllib
 
 from deploy_helpers import DEPLOY, REPO
 
-from splitrl.cli import build_parser
 from splitrl.config import Config, load_config
+from splitrl_app.cli import build_parser
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 
@@ -67,8 +67,8 @@ def test_entrypoint_is_the_splitrl_cli_and_the_default_command_parses():
     # The executable the image runs is the same entry as ``python -m splitrl`` (the launcher's).
     assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"][
         "splitrl"
-    ] == "splitrl.cli:entry"
-    assert "from splitrl.cli import entry" in (REPO / "splitrl" / "__main__.py").read_text()
+    ] == "splitrl_app.cli:entry"
+    assert "from splitrl_app.cli import entry" in (REPO / "splitrl" / "__main__.py").read_text()
 
 
 def test_runs_as_a_fixed_non_root_user_that_owns_the_volume_mount_points():

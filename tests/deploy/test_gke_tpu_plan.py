@@ -12,10 +12,10 @@ import pytest
 from deploy_helpers import find, pod_spec
 from test_k8s_manifests import _config_for
 
-from splitrl import cli
 from splitrl.models import load_config as load_model_config
-from splitrl.planning import format_reports, libtpu_installed, plan_run, tpu_target
-from splitrl.planning.targets import gke_topology
+from splitrl_app import cli
+from splitrl_app.planning import format_reports, libtpu_installed, plan_run, tpu_target
+from splitrl_app.planning.targets import gke_topology
 
 pytestmark = [
     pytest.mark.slow,  # compiles the trainer for 16 chips and the sampler for 4 (~1 min)

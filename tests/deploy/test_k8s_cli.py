@@ -13,8 +13,8 @@ import yaml
 from deploy_helpers import WORKLOAD_KINDS, containers, copy_deploy
 from kubernetes import client
 
-from splitrl import k8s
-from splitrl.cli import main as splitrl_main
+from splitrl_app import k8s
+from splitrl_app.cli import main as splitrl_main
 
 
 def test_splitrl_k8s_render_prints_the_overlay(kubectl, deploy_root, monkeypatch, capsys):

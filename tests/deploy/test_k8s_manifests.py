@@ -25,9 +25,10 @@ from deploy_helpers import (
     venv_tool,
 )
 
-from splitrl import distributed, k8s
-from splitrl.cli import build_parser
+from splitrl import distributed
 from splitrl.config import load_config
+from splitrl_app import k8s
+from splitrl_app.cli import build_parser
 
 SERVICES = ("reward", "sampler", "trainer")
 
@@ -159,7 +160,7 @@ def test_samplers_are_found_through_the_headless_service_named_in_sampler_dns(
     assert svc["spec"]["clusterIP"] == "None"  # one A record per ready pod
     assert not svc["spec"].get("publishNotReadyAddresses", False)
     assert [p["port"] for p in svc["spec"]["ports"]] == [int(port)]
-    # splitrl.k8s discovery looks for the same Service and port name.
+    # splitrl_app.k8s discovery looks for the same Service and port name.
     assert name == k8s.SAMPLER_SERVICE and svc["spec"]["ports"][0]["name"] == "grpc"
     sampler = find(docs, "Deployment", k8s.SAMPLER_DEPLOYMENT)
     pdb = find(docs, "PodDisruptionBudget", "sampler")

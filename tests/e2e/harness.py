@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from splitrl.config import Config, load_config
-from trainer_service.launcher import Launcher, demo_config_path
+from splitrl_app.launcher import Launcher, demo_config_path
 
 
 def run_config(model_dir: Path, run_dir: Path, *overrides: str) -> Config:

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from splitrl_app.launcher import demo_config_path
 from tests.e2e.harness import tail, wait_for
-from trainer_service.launcher import demo_config_path
 
 pytestmark = pytest.mark.slow
 

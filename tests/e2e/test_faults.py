@@ -13,6 +13,8 @@ import pytest
 
 from splitrl.serving import make_channel
 from splitrl.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from splitrl_app.launcher import Launcher, free_port
+from splitrl_app.launcher import main as launch
 from tests.e2e.harness import (
     export_digest,
     log_records,
@@ -24,8 +26,6 @@ from tests.e2e.harness import (
     wait_exit,
     wait_for,
 )
-from trainer_service.launcher import Launcher, free_port
-from trainer_service.launcher import main as launch
 from trainer_service.orchestration.audit import audit_run
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from splitrl_app.launcher import main as launch
 from tests.e2e.harness import run_config, trained_records
-from trainer_service.launcher import main as launch
 
 pytestmark = pytest.mark.slow
 

@@ -18,6 +18,7 @@ import signal
 import numpy as np
 import pytest
 
+from splitrl_app.launcher import Launcher
 from tests.e2e.harness import (
     log_records,
     run_config,
@@ -27,7 +28,6 @@ from tests.e2e.harness import (
     wait_exit,
     wait_for,
 )
-from trainer_service.launcher import Launcher
 from trainer_service.orchestration.audit import audit_run
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ from tls_certs import SERVER_NAME, make_pki
 from splitrl.config import AuthConfig
 from splitrl.serving import check_health, make_channel
 from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
+from splitrl_app.launcher import Launcher
 from tests.e2e.harness import (
     log_records,
     run_config,
@@ -22,7 +23,6 @@ from tests.e2e.harness import (
     wait_exit,
     wait_for,
 )
-from trainer_service.launcher import Launcher
 
 pytestmark = pytest.mark.slow
 

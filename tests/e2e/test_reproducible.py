@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from splitrl_app.launcher import main as launch
 from tests.e2e.harness import export_digest, run_config, step_metrics
-from trainer_service.launcher import main as launch
 
 pytestmark = pytest.mark.slow
 

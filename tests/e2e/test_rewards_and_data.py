@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from splitrl_app import launcher
 from tests.e2e.harness import run_config, trained_records
-from trainer_service import launcher
 
 pytestmark = pytest.mark.slow
 

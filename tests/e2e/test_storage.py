@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from splitrl.jsonl import read_jsonl
+from splitrl_app import launcher
+from splitrl_app.launcher import Launcher
 from tests.e2e.harness import run_config, status_step, tail, wait_exit, wait_for
-from trainer_service import launcher
-from trainer_service.launcher import Launcher
 from trainer_service.orchestration.audit import audit_run
 
 pytestmark = pytest.mark.slow

@@ -167,7 +167,7 @@ def test_recipes_set_the_papers_values_and_keys_set_beside_them_win(tmp_path):
 
 
 def test_the_json_schema_describes_every_section(capsys):
-    from splitrl.cli import main
+    from splitrl_app.cli import main
 
     assert main(["config", "--schema"]) == 0
     schema = json.loads(capsys.readouterr().out)

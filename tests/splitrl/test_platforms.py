@@ -59,6 +59,6 @@ def test_jax_starts_quietly_after_the_cli_chose_the_cpu():
 
 @needs_libtpu_without_tpu
 def test_compiling_for_a_tpu_topology_starts_libtpu_quietly():
-    err = _stderr("from splitrl.planning import tpu_target\n"
+    err = _stderr("from splitrl_app.planning import tpu_target\n"
                   "assert tpu_target('v5e:2x2').device_kind == 'TPU v5 lite'\n")
     assert not [word for word in NOISE if word in err], err

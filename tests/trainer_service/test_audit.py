@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from splitrl.cli import main as cli
+from splitrl_app.cli import main as cli
 from trainer_service.orchestration.audit import ROLLED_BACK, AuditLog, audit_run
 from trainer_service.orchestration.rollouts import Completion, RolloutGroup, WorkItem
 

@@ -3,10 +3,10 @@
 
 import pytest
 
-from splitrl.cli import main as splitrl
 from splitrl.config import load_config
+from splitrl_app.cli import main as splitrl
+from splitrl_app.evaluate import evaluate
 from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
-from trainer_service.evaluate import evaluate
 from trainer_service.orchestration.evaluation import (
     accuracy_line,
     pass_at_k,

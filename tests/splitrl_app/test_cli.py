@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from splitrl.cli import build_parser, main
+from splitrl_app.cli import build_parser, main
 
 
 def test_service_commands_take_config_and_overrides():
@@ -75,7 +75,7 @@ def test_list_tasks_shows_options_splits_and_columns(capsys):
 
 
 def test_overrides_may_follow_options_and_strays_are_still_refused():
-    from splitrl.cli import _parse, build_parser
+    from splitrl_app.cli import _parse, build_parser
 
     parser = build_parser()
     args = _parse(parser, ["eval", "runs/x/export", "--k", "1,4", "trainer.data.eval_size=10",

@@ -6,7 +6,7 @@ TPU, or for this host's CPU devices; the report gives per-device memory by categ
 the chip's HBM and the largest batch that fits. See docs/plan.md.
 """
 
-# The names below import jax; loaded on first use, so that `splitrl.planning.estimate` (what
+# The names below import jax; loaded on first use, so that `splitrl_app.planning.estimate` (what
 # `splitrl up` runs before anything starts) costs no jax import.
 _EXPORTS = {
     "ServiceReport": "report", "format_reports": "report", "plan_run": "report",

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from splitrl.config import Config
 from splitrl.mesh import DATA_AXIS, FSDP_AXIS, build_mesh
 from splitrl.models import TransformerConfig, abstract_model, param_shapes, state_from_hf
-from splitrl.planning.memory import Measurement, OutOfMemory, compile_program, shard_bytes
-from splitrl.planning.targets import Target
+from splitrl_app.planning.memory import Measurement, OutOfMemory, compile_program, shard_bytes
+from splitrl_app.planning.targets import Target
 
 
 def _measure(rows: int, capacity: int, lowered: dict, categories) -> Measurement:

@@ -13,13 +13,13 @@ import math
 import jax
 import pytest
 
-from splitrl import cli
 from splitrl.config import load_config
 from splitrl.init_model import init_model
 from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained, param_shapes
 from splitrl.models import load_config as load_model_config
-from splitrl.planning import cpu_target, libtpu_installed, plan_run, tpu_target
+from splitrl_app import cli
+from splitrl_app.planning import cpu_target, libtpu_installed, plan_run, tpu_target
 from tests.conftest import REPO_ROOT
 
 DEMO = str(REPO_ROOT / "splitrl" / "configs" / "demo.yaml")
@@ -50,7 +50,7 @@ def _per_device_bytes(arrays) -> int:
 
 
 def test_cpu_plan_predicts_parameter_and_optimizer_bytes_of_a_real_learner(demo_model):
-    from splitrl.planning.services import TrainerPlanner
+    from splitrl_app.planning.services import TrainerPlanner
     from trainer_service.learning.learner import Learner
 
     # The demo trainer's fsdp=4 mesh: half of this test process's 8 CPU devices. What the
@@ -205,9 +205,9 @@ def test_the_launch_estimate_agrees_with_a_cpu_compile_of_the_train_step(one_lay
     """`splitrl up`'s estimate (arithmetic only) against the plan's compile of the same train
     step on this CPU: parameter bytes within 1% (biases are left out), the step's temporaries
     within 20% (the per-token model was fitted to such compiles at other shapes)."""
-    from splitrl.planning import Target
-    from splitrl.planning.estimate import ModelShape, train_row_bytes, trainer_estimate
-    from splitrl.planning.services import TrainerPlanner
+    from splitrl_app.planning import Target
+    from splitrl_app.planning.estimate import ModelShape, train_row_bytes, trainer_estimate
+    from splitrl_app.planning.services import TrainerPlanner
 
     cfg = load_config(DEMO, ["trainer.mesh.axes={fsdp: 1}", "trainer.micro_batch_size=4",
                              "sampler.max_sequence_length=128", "sampling.max_new_tokens=8"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from splitrl.cli import main
+from splitrl_app.cli import main
 
 
 def test_plot_writes_pngs_for_the_metrics_present(tmp_path, capsys):
@@ -31,7 +31,7 @@ def test_single_evaluation_points_are_drawn_not_only_listed_in_the_legend():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trainer_service.plots import _draw
+    from splitrl_app.plots import _draw
 
     records = [{"step": 0, "eval_before/accuracy": 0.1}, {"step": 1, "accuracy/mean": 0.2},
                {"step": 2, "accuracy/mean": 0.3}, {"step": 3, "accuracy/mean": 0.4},
@@ -51,7 +51,7 @@ def test_a_two_step_run_gets_integer_step_ticks():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from trainer_service.plots import _draw
+    from splitrl_app.plots import _draw
 
     fig, ax = plt.subplots()
     _draw(ax, [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}], ["loss"], "loss")
@@ -62,7 +62,7 @@ def test_a_two_step_run_gets_integer_step_ticks():
 
 
 def test_a_synchronous_run_has_no_staleness_panel(tmp_path):
-    from trainer_service.plots import plot_run
+    from splitrl_app.plots import plot_run
 
     records = [{"step": s, "reward/mean": s / 10, "staleness/mean": 0.0, "staleness/max": 0.0}
                for s in range(1, 4)]

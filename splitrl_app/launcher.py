@@ -41,9 +41,9 @@ from splitrl.jsonl import drop_torn_tail
 from splitrl.retry import wait_until
 from splitrl.serving import LAUNCHER_PID_ENV, check_health, make_channel
 from splitrl.user_cache import cache_dir
-from trainer_service.oom import OomWitness
+from splitrl_app.oom import OomWitness
+from splitrl_app.service_logs import LogFollower, error_lines
 from trainer_service.orchestration.evaluation import accuracy_line
-from trainer_service.service_logs import LogFollower, error_lines
 
 DEMO_CONFIG = "demo.yaml"
 
@@ -142,7 +142,7 @@ class Launcher:
         return env
 
     def start(self, name: str, command: str, overrides: list[str], devices: int = 1):
-        args = [self.python, "-m", "splitrl", command, "--config", str(self.config_path)]
+        args = [self.python, "-m", "splitrl_app", command, "--config", str(self.config_path)]
         args += [
             f"services.reward_address={self.reward_address}",
             f"services.trainer_address={self.trainer_address}",
@@ -186,7 +186,7 @@ class Launcher:
 
     def exit_report(self, name: str) -> str:
         """``name`` exited: its exit code and the last error lines of its log; killed by
-        SIGKILL, whether the OOM killer did it (`trainer_service.oom`) and, if so, the
+        SIGKILL, whether the OOM killer did it (`splitrl_app.oom`) and, if so, the
         setting that uses less memory."""
         proc = self.procs[name]
         log = self.log_dir / f"{name}.log"
@@ -537,14 +537,14 @@ def preflight(cfg: Config, memory_bytes: int | None = None) -> str | None:
 
 
 def check_memory(cfg: Config, memory_bytes: int | None = None) -> str | None:
-    """The launch's processes, estimated (`splitrl.planning.estimate`: arithmetic on the
+    """The launch's processes, estimated (`splitrl_app.planning.estimate`: arithmetic on the
     model's config.json, no compile) against the host's memory, since every service of a local
     launch runs on this host's CPU: None when it fits; when it does not and
     ``trainer.micro_batch_size`` is unset, the largest micro-batch that fits is set in ``cfg``
     (and said); else why not, with the numbers and the setting to change. Services on an
     accelerator (``JAX_PLATFORMS`` other than cpu) or a model on a hub (no config.json here)
     are not estimated: ``splitrl plan`` compiles for them."""
-    from splitrl.planning.estimate import ModelShape, host_memory_bytes, plan_launch
+    from splitrl_app.planning.estimate import ModelShape, host_memory_bytes, plan_launch
 
     if os.environ.get("JAX_PLATFORMS", "cpu") != "cpu":
         return None
@@ -660,7 +660,7 @@ def main(cfg: Config) -> int:
 def _plot(run_dir: Path) -> None:
     """`splitrl plot` of the run: a convenience that never fails the run."""
     try:
-        from trainer_service.plots import main as plot
+        from splitrl_app.plots import main as plot
 
         plot(str(run_dir))
     except Exception as e:  # plots are a convenience; never fail the run on them
@@ -673,7 +673,7 @@ def _load_plotting_in_background() -> threading.Thread:
 
     def load():
         try:
-            from trainer_service.plots import load_matplotlib
+            from splitrl_app.plots import load_matplotlib
 
             load_matplotlib()
         except Exception:  # _plot reports it at the end, if plotting fails

@@ -82,7 +82,7 @@ def _targets(args, cfg) -> dict:
     `splitrl up` starts them); a mesh with a -1 axis gets all of them."""
     import dataclasses
 
-    from splitrl.planning import cpu_target, tpu_target
+    from splitrl_app.planning import cpu_target, tpu_target
 
     hbm = None if args.hbm_gib is None else int(args.hbm_gib * 1024**3)
     services = _services(args)
@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"model.path={path.parent if path.suffix == '.json' else path}")
     cfg = load_config(args.config, overrides)  # no jax yet: it sizes the emulated devices
     _jax_environment(args, cfg)
-    from splitrl.planning import PlanError, format_reports, libtpu_installed, plan_run
-    from splitrl.planning.targets import LIBTPU_MISSING
+    from splitrl_app.planning import PlanError, format_reports, libtpu_installed, plan_run
+    from splitrl_app.planning.targets import LIBTPU_MISSING
 
     if args.platform == "tpu" and not libtpu_installed():
         print(f"splitrl plan: {LIBTPU_MISSING}", file=sys.stderr)

@@ -14,9 +14,9 @@ import pytest
 
 from splitrl.config import load_config
 from splitrl.v1 import trainer_pb2
+from splitrl_app import launcher
+from splitrl_app.service_logs import LogFollower, error_lines
 from tests.fresh_python import python_prints
-from trainer_service import launcher
-from trainer_service.service_logs import LogFollower, error_lines
 
 
 def config(arith_model, run_dir, *overrides):
@@ -151,7 +151,7 @@ def test_a_length_check_that_passed_is_remembered_and_other_data_is_checked_agai
     launch = [f"model.path={arith_model}", *overrides]
     code = ("import sys\n"
             "from splitrl.config import load_config\n"
-            "from trainer_service import launcher\n"
+            "from splitrl_app import launcher\n"
             f"cfg = load_config(launcher.demo_config_path(), {launch!r})\n"
             "assert launcher.check_data(cfg) is None\n"
             "print('transformers' in sys.modules)\n")
@@ -194,7 +194,7 @@ LAUNCHER_THEN_SLEEP = """
 import sys, time
 from splitrl.config import load_config
 from splitrl.v1 import trainer_pb2
-from trainer_service import launcher
+from splitrl_app import launcher
 cfg = load_config(launcher.demo_config_path(), sys.argv[1:])
 up = launcher.Launcher(cfg)
 up.start("reward", "reward", [])

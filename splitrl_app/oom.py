@@ -28,7 +28,7 @@ import os
 import re
 from pathlib import Path
 
-from splitrl.planning.estimate import memory_cgroup_files
+from splitrl_app.planning.estimate import memory_cgroup_files
 
 _KILLED = re.compile(r"Killed process (\d+)\b")
 _COUNTER = re.compile(r"^oom_kill (\d+)$", re.MULTILINE)

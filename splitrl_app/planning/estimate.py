@@ -14,7 +14,7 @@ microseconds, and without importing jax:
   float32 words: ``5.5 L T D + 6 L T I + 3.5 L H T^2 + 4 min(T, 256) min(V, 16384)``: per layer
   the residual stream and projections, the MLP's activations, the attention probabilities,
   and the log-prob head's logits for one chunk (``splitrl.models.logprobs``).
-  tests/splitrl/planning/test_plan_compile.py compares it with a compile;
+  tests/splitrl_app/planning/test_plan_compile.py compares it with a compile;
 - the sampler's temporaries: a KV cache's worth while prompts are admitted (what the plan's
   admit program allocates) or one layer of a full batch's prefill, whichever is larger; its
   cache at the sequences a run puts in flight (`sampler_estimate`);
@@ -34,7 +34,7 @@ import os
 from pathlib import Path
 
 from splitrl.config import Config
-from splitrl.planning.memory import Measurement, format_bytes
+from splitrl_app.planning.memory import Measurement, format_bytes
 
 GIB = 1024**3
 # What a service process holds besides the arrays counted here: the interpreter, jax and XLA,

@@ -11,8 +11,8 @@ from typing import Any
 
 from splitrl.config import Config
 from splitrl.models import TransformerConfig
-from splitrl.planning.memory import Measurement, format_bytes, largest_fitting
-from splitrl.planning.targets import GIB, Target
+from splitrl_app.planning.memory import Measurement, format_bytes, largest_fitting
+from splitrl_app.planning.targets import GIB, Target
 
 
 @dataclasses.dataclass
@@ -70,7 +70,7 @@ def plan_run(cfg: Config, model_config: TransformerConfig, targets: dict[str, Ta
              search: bool = True, extrapolate_layers: bool = False) -> list[ServiceReport]:
     """One report per service in `targets` ("trainer", "sampler"); with `extrapolate_layers`
     from compiles of two and three of the model's layers (`LayerExtrapolation`)."""
-    from splitrl.planning.services import SamplerPlanner, TrainerPlanner
+    from splitrl_app.planning.services import SamplerPlanner, TrainerPlanner
 
     planners = {"trainer": TrainerPlanner, "sampler": SamplerPlanner}
     reports = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from splitrl.extras import MissingExtra, require
 from splitrl.jsonl import read_jsonl
@@ -22,7 +23,7 @@ PANELS = [
 
 
 # Fast zlib level: small line plots compress about as well, in a fraction of the time.
-_PNG = {"compress_level": 1}
+_PNG: dict[str, Any] = {"compress_level": 1}
 _DPI = 90
 
 

@@ -17,10 +17,10 @@ import sys
 import pytest
 
 from splitrl.config import load_config
-from splitrl.planning import estimate
+from splitrl_app import launcher
+from splitrl_app.oom import OomWitness
+from splitrl_app.planning import estimate
 from tests.fresh_python import python_prints
-from trainer_service import launcher
-from trainer_service.oom import OomWitness
 
 SMOL = {  # SmolLM2-135M's config.json sizes (the model the out-of-memory report was about)
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
@@ -80,8 +80,8 @@ def test_the_demo_fits_silently_and_the_estimate_imports_no_jax(arith_model, tmp
     assert cfg.trainer.micro_batch_size is None and capsys.readouterr().out == ""
     # What the launcher imports for the estimate costs no jax import (a launch's start-up).
     code = ("import sys\n"
-            "from splitrl.planning.estimate import plan_launch, host_memory_bytes\n"
-            "from trainer_service.oom import OomWitness\n"
+            "from splitrl_app.planning.estimate import plan_launch, host_memory_bytes\n"
+            "from splitrl_app.oom import OomWitness\n"
             "print('jax' in sys.modules)\n")
     assert python_prints(code) == ["False"]
 

@@ -10,10 +10,10 @@ import tomllib
 
 import pytest
 
-from splitrl import cli
-from splitrl.planning import LIBTPU_MISSING, PlanError, tpu_target
-from splitrl.planning.memory import Measurement, largest_fitting
-from splitrl.planning.targets import topology_name
+from splitrl_app import cli
+from splitrl_app.planning import LIBTPU_MISSING, PlanError, tpu_target
+from splitrl_app.planning.memory import Measurement, largest_fitting
+from splitrl_app.planning.targets import topology_name
 from tests.conftest import REPO_ROOT
 
 
@@ -95,14 +95,14 @@ def test_search_stops_at_the_limit_when_everything_fits():
     ("tpu-v5p-slice", "2x2x1", "v5p:2x2x1"), ("tpu-v6e-slice", "2x4", "v6e:2x4"),
 ])
 def test_gke_node_selectors_name_their_slice(accelerator, shape, expected):
-    from splitrl.planning.targets import gke_topology
+    from splitrl_app.planning.targets import gke_topology
 
     assert gke_topology({"cloud.google.com/gke-tpu-accelerator": accelerator,
                          "cloud.google.com/gke-tpu-topology": shape}) == expected
 
 
 def test_a_node_selector_without_a_tpu_is_refused_by_its_labels():
-    from splitrl.planning.targets import gke_topology
+    from splitrl_app.planning.targets import gke_topology
 
     with pytest.raises(PlanError, match="gke-tpu-accelerator"):
         gke_topology({"cloud.google.com/gke-nodepool": "default"})

@@ -15,10 +15,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from splitrl import plan_command
 from splitrl.config import AuthConfig, Config, ConfigError, dump_config, load_config
 from splitrl.platforms import prefer_cpu_without_tpu
 from splitrl.user_code import add_config_dir
+from splitrl_app import plan_command
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +124,7 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int | None:
-    from trainer_service.launcher import demo, demo_config_path
+    from splitrl_app.launcher import demo, demo_config_path
 
     return demo(load_config(args.config or demo_config_path(), _overrides(args)))
 
@@ -205,7 +205,7 @@ def _audit(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    return _call("trainer_service.plots:main")(args.run_dir)
+    return _call("splitrl_app.plots:main")(args.run_dir)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reward": ("reward_service.server:main", "run the reward service"),
         "trainer": ("trainer_service.server:main", "run the trainer service"),
         "up": (
-            "trainer_service.launcher:main",
+            "splitrl_app.launcher:main",
             "start reward, samplers and trainer as local processes and run training",
         ),
     }
@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="directory for eval.json, the services' logs and an exported checkpoint "
                         "(default: a new temporary directory)")
-    p.set_defaults(func=lambda a: _call("trainer_service.evaluate:main")(a))
+    p.set_defaults(func=lambda a: _call("splitrl_app.evaluate:main")(a))
 
     p = sub.add_parser("export", help="write a trainer checkpoint's policy as a Hugging Face "
                        "directory that transformers loads")
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("k8s", help="render, apply, scale or inspect the Kubernetes deployment")
     p.add_argument("k8s_args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: _call("splitrl.k8s:main")(a.k8s_args))
+    p.set_defaults(func=lambda a: _call("splitrl_app.k8s:main")(a.k8s_args))
     return parser
 
 
