@@ -4,7 +4,7 @@ One step reads like the algorithm::
 
     groups  = collect(prompts_per_step)       # rollouts from the samplers, in draw order
     batch   = build_train_batch(groups)       # group-normalised advantages
-    metrics = update(batch)                   # loss -> optax update; version += 1
+    metrics = update(batch)                   # loss -> optax update: the next weight version
     push()                                    # the new weights to every sampler, resharded
     draw_ahead(); record(); checkpoint()      # next prompts out, audit trail, every N steps
 
@@ -128,8 +128,7 @@ class TrainerRun:
         log.info("learner state", extra={  # what LoRA saves shows here (bench/lora_memory.py)
             f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
-        self.version = 0  # of the weights; +1 per update
-        self.step = 0
+        self.step = 0  # steps run, with or without an update; the weight version is the learner's
         self.drawn = 0  # prompts drawn from the data so far: every work item's seq and uid
         self._params_lock = threading.Lock()
         self._push_in_flight: PushInFlight | None = None
@@ -156,10 +155,18 @@ class TrainerRun:
         if self.hosts.is_leader:
             self.trackers = Trackers.from_config(cfg, self.run_dir, self.accuracy_fn)
 
+    @property
+    def version(self) -> int:
+        """The weight version: the learner's count of updates (its one owner). A step with
+        nothing to train on leaves it, so it may trail ``step``; the queue, the pushes, the
+        status and the checkpoint read it from here."""
+        return self.learner.version
+
     # -- one step -------------------------------------------------------------------------
 
     def train_step(self) -> dict[str, float]:
         t0 = time.monotonic()
+        trained_from = self.version  # the weights this step's rollouts are trained against
         # Between the previous step's push and now: drawing, the audit record, a checkpoint,
         # metrics. With max_staleness 0 the samplers generate meanwhile, so a step's rollouts
         # take wait + other: both belong to the step's cost (bench/step_breakdown.py).
@@ -182,16 +189,15 @@ class TrainerRun:
         if collected.groups:
             batch = build_train_batch(collected.groups, self.cfg.algorithm, pad_id=self.pad_id,
                                       longest=self._longest_row())
-            metrics.update(self._update(batch))
+            metrics.update(self._update(batch))  # the learner may skip it too ("skipped")
         else:  # nothing with signal within the bounds: a step without an update
-            self.step += 1
             metrics["skipped"] = 1.0
+        self.step += 1
         t_train = time.monotonic()
         metrics.update(self._push())
         t_push = self._last_step_end = time.monotonic()
         self._draw_ahead()  # the next step's prompts go out while we record and checkpoint
-        self.audit.record(self.step, self.version - (0 if metrics.get("skipped") else 1),
-                          collected.groups, filtered=collected.filtered,
+        self.audit.record(self.step, trained_from, collected.groups, filtered=collected.filtered,
                           dropped=collected.dropped)
         self._mid_step, self._holding = False, None
         self._checkpoint()  # a no-op unless a save is due
@@ -250,8 +256,6 @@ class TrainerRun:
         self.hosts.train(batch)  # multi-host: every process trains on this batch
         with self._params_lock:
             metrics = self.learner.train_step(batch)
-            self.version += 1
-            self.step += 1
         self.queue.set_version(self.version)
         return metrics
 
@@ -413,8 +417,8 @@ class TrainerRun:
         ckpt, skipped = self.checkpointer.restore_newest(self.learner.abstract_train_state(),
                                                          check, move_aside=self.hosts.is_leader)
         self.resumed_from = ckpt.step
-        self.learner.load_train_state(ckpt.state, ckpt.step)
-        self.step, self.version = ckpt.step, ckpt.weight_version
+        self.learner.load_train_state(ckpt.state, ckpt.weight_version)
+        self.step = ckpt.step
         # Status says the resumed step from now on, not 0 until the first new step is done.
         self.status.step, self.status.version = self.step, self.version
         if not self.hosts.is_leader:
@@ -651,8 +655,10 @@ class TrainerRun:
         self.status.state = "training"
 
         def on_message(message):
-            self.status.step = self.learner.step
-            set_context(step=self.learner.step)
+            self.status.version = self.learner.version
+            if message.op == "checkpoint":  # the leader's step, as far as a follower knows it
+                self.status.step = message.step
+                set_context(step=message.step)
 
         try:
             ok = follow(self.hosts, self.learner, self.checkpointer, on_message)

@@ -33,6 +33,15 @@ pytestmark = pytest.mark.slow
 FAST = ("trainer.eval_before=false", "trainer.eval_after=false")
 
 
+def run_trainer_again(launcher: Launcher) -> list[dict]:
+    """Start the stopped trainer again and let it finish (exit 0); its "resumed from
+    checkpoint" log records."""
+    launcher.start_trainer()
+    assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
+    return [r for r in log_records(launcher.log_dir / "trainer.log")
+            if r.get("msg") == "resumed from checkpoint"]
+
+
 def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path):
     run_dir = tmp_path / "run"
     # The newcomer joins mid-run: the trainer is paused while it starts (see below).
@@ -178,6 +187,55 @@ def test_trainer_killed_resumes_from_checkpoint_with_dynamic_sampling(arith_mode
     assert export_digest(run_dir) == export_digest(reference)
 
 
+def test_a_resume_after_skipped_steps_is_bitwise_the_uninterrupted_run(arith_model, tmp_path):
+    """Steps with nothing to train on move the step but not the weights: one prompt a step,
+    dynamic sampling without extra draws, and the untrained model scores many groups all 0,
+    so many steps have no group left. A trainer killed after such steps resumes with the
+    learner's clock where the uninterrupted run has it (the learning-rate warm-up, the LoRA
+    dropout keys): the same metrics at every step, the same weights, the same audit trail."""
+    run_dir, reference = tmp_path / "run", tmp_path / "uninterrupted"
+    steps = 24
+    overrides = (f"trainer.steps={steps}", "trainer.prompts_per_step=1",
+                 "algorithm.filter_zero_variance=true",
+                 "algorithm.max_extra_draws=0", f"trainer.optimizer.warmup_steps={steps}",
+                 "model.lora.rank=4", "model.lora.dropout=0.5", "trainer.checkpoint.every=1",
+                 "trainer.checkpoint.async_save=false", "services.num_samplers=1", *FAST)
+    assert launch(run_config(arith_model, reference, *overrides)) == 0
+    skipped = [m["step"] for m in step_metrics(reference) if m.get("skipped")]
+    assert skipped and skipped[0] <= 4, f"steps without groups: {skipped}"
+    launcher = Launcher(run_config(arith_model, run_dir, *overrides))
+    try:
+        launcher.up()
+        wait_for(lambda: status_step(launcher) >= skipped[0] + 1, 300,
+                 f"a step after the skipped step {skipped[0]}", launcher)
+        trainer = launcher.procs["trainer"]
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        resumed = run_trainer_again(launcher)
+    finally:
+        launcher.stop()
+    assert resumed and resumed[-1]["step"] > skipped[0], "no resume after a skipped step"
+    saved = resumed[-1]["step"]
+    assert any(m["step"] > saved and not m.get("skipped") for m in step_metrics(reference)), (
+        "no update after the resumed step: nothing compared")
+    for a, b in zip(step_metrics(run_dir), step_metrics(reference), strict=True):
+        assert a == b, f"step {a['step']} differs from the uninterrupted run"
+    assert export_digest(run_dir) == export_digest(reference)
+    # The audit trail: each step once; a step's trainer_version is the number of updates
+    # before it (a step without groups trains from the same version as the next one).
+    records = trained_records(run_dir)
+    lineage = [(r["step"], r["trainer_version"], r["uids"], r["filtered"]) for r in records]
+    assert lineage == [(r["step"], r["trainer_version"], r["uids"], r["filtered"])
+                       for r in trained_records(reference)]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    updates = 0
+    for record, metrics in zip(records, step_metrics(reference), strict=True):
+        assert record["trainer_version"] == updates, record
+        updates += not metrics.get("skipped")
+    report = audit_run(run_dir)
+    assert report.ok and report.trained + report.filtered == report.drawn - report.unfinished
+
+
 def test_async_staleness_is_bounded_with_auth(arith_model, tmp_path):
     """max_staleness = 1 with a shared auth token on every service: the run uses the token
     throughout, and calls without it are refused."""
@@ -229,12 +287,9 @@ def test_trainer_sigterm_checkpoints_where_it_stopped_and_resumes(arith_model, t
         assert stopped, tail(launcher.log_dir / "trainer.log")
         stop_step = stopped[-1]["step"]
         assert (run_dir / "checkpoints" / str(stop_step)).is_dir()
-        launcher.start_trainer()
-        assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
+        resumed = run_trainer_again(launcher)
     finally:
         launcher.stop()
-    resumed = [r for r in log_records(launcher.log_dir / "trainer.log")
-               if r.get("msg") == "resumed from checkpoint"]
     assert resumed and resumed[-1]["step"] == stop_step
     trained = [r["step"] for r in trained_records(run_dir)]
     assert trained == list(range(1, steps + 1)), "every step exactly once across the stop"

@@ -98,12 +98,12 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path) -> None:
     fresh = learner_on(mesh)
     with Checkpointer(out_dir / "checkpoints", every=100, keep=2) as ckpt:
         restored = ckpt.restore(fresh.abstract_train_state())
-    fresh.load_train_state(restored.state, restored.step)
+    fresh.load_train_state(restored.state, restored.weight_version)
     restored_params = gather_params(fresh.params)
 
     record = {
         "ok": ok,
-        "steps": learner.learner.step,
+        "steps": learner.learner.version,
         "restored_step": restored.step,
         "restored_version": restored.weight_version,
         "restored_cursor_index": restored.data_cursor.get("stream", {}).get("index", -1),

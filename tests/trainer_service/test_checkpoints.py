@@ -41,7 +41,7 @@ def test_resume_in_a_new_process_repeats_the_same_steps_exactly(tmp_path):
     assert (restored.step, restored.weight_version) == (3, 3)
     assert restored.data_cursor == {"index": 30, "epoch": 0} and restored.config == {"seed": 0}
     np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(key))
-    again.load_train_state(restored.state, restored.step)
+    again.load_train_state(restored.state, restored.weight_version)
     for step in (4, 5):
         again.train_step(resume_batch(step, again))
     for name, value in _host(again.params).items():

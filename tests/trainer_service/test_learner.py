@@ -45,7 +45,7 @@ def test_updates_raise_the_rewarded_completion_and_lower_the_others():
     winners = batch.rewards == 1
     assert np.all(delta[winners] > 0.1), delta
     assert np.all(delta[~winners] < 0), delta
-    assert learner.step == 4 and np.isfinite(metrics["loss"])
+    assert learner.version == 4 and np.isfinite(metrics["loss"])
     for k, v in learner.params.items():  # the update keeps the trainer's layout
         assert v.sharding.is_equivalent_to(shardings[k], v.ndim), k
 
@@ -105,7 +105,7 @@ def test_a_warm_up_changes_nothing_the_next_step_computes():
     warmed = make_learner(mesh_of(2), optimizer=CONSTANT_LR)
     before = jax.device_get(warmed.params)
     warmed.warm_up(*batch.tokens.shape)
-    assert warmed.step == 0
+    assert warmed.version == 0
     for name, value in jax.device_get(warmed.params).items():
         np.testing.assert_array_equal(value, before[name])
     m_plain, m_warmed = plain.train_step(batch), warmed.train_step(batch)
@@ -136,7 +136,7 @@ def test_a_batch_without_completion_tokens_is_skipped_without_an_update():
     batch.completion_mask[:] = False
     before = {k: np.asarray(v) for k, v in learner.params.items()}
     m = learner.train_step(batch)
-    assert m["skipped"] == 1.0 and learner.step == 0
+    assert m["skipped"] == 1.0 and learner.version == 0
     for k, v in learner.params.items():
         np.testing.assert_array_equal(v, before[k])
 

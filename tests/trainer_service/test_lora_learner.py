@@ -119,7 +119,7 @@ def test_checkpoints_resume_exactly_and_refuse_another_kind_of_train_state(tmp_p
         again.check_checkpoint_meta(ckpt.meta()["learner"])
         restored = ckpt.restore(again.abstract_train_state())
     assert restored.step == 4 and restored.learner_meta["lora"]["rank"] == 4
-    again.load_train_state(restored.state, restored.step)
+    again.load_train_state(restored.state, restored.weight_version)
     for step in (5, 6):
         batch = rollout_batch(10 + step)
         first.train_step(_on_policy(first, batch))

@@ -26,7 +26,7 @@ def test_every_recipe_loads_and_trains_one_step(recipe):
         sampler_logprobs=learner.logprobs(batch))
     before = {k: np.asarray(v) for k, v in learner.params.items()}
     metrics = learner.train_step(batch)
-    assert learner.step == 1 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
+    assert learner.version == 1 and np.isfinite(metrics["loss"]) and metrics["grad_norm"] > 0
     moved = [k for k, v in learner.params.items() if not np.array_equal(np.asarray(v), before[k])]
     assert moved, "the step changed no parameter"
     assert learner.loss_settings["loss"] == algorithm.loss

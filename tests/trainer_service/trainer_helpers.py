@@ -97,11 +97,11 @@ def _resume_main(ckpt_dir: str, out: str) -> None:
     learner = resume_learner()
     with Checkpointer(ckpt_dir, every=1, keep=2, async_save=False) as ckpt:
         restored = ckpt.restore(learner.abstract_train_state())
-    learner.load_train_state(restored.state, restored.step)
+    learner.load_train_state(restored.state, restored.weight_version)
     for step in (restored.step + 1, restored.step + 2):
         learner.train_step(resume_batch(step, learner))
     sharded = {k: len(v.sharding.device_set) for k, v in learner.params.items()}
-    np.savez(out, step=learner.step, weight_version=restored.weight_version,
+    np.savez(out, step=learner.version, weight_version=restored.weight_version,
              cursor=restored.data_cursor["index"],
              rng=np.asarray(jax.random.key_data(restored.rng)),
              max_devices=max(sharded.values()),

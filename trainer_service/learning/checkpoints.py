@@ -13,7 +13,7 @@ A checkpoint at train step `step` holds two orbax items:
               config=to_dict(cfg))            # a no-op unless step % every == 0 (or force=True)
     ...
     restored = ckpt.restore(learner.abstract_train_state())     # latest step by default
-    learner.load_train_state(restored.state, restored.step)
+    learner.load_train_state(restored.state, restored.weight_version)
 
 Saves are asynchronous when configured (the arrays are copied off the devices, then written
 in the background; the next save or `wait()` / `close()` waits for the previous one). A save

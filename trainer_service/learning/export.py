@@ -119,7 +119,7 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, *,
         learner = Learner.from_config(model, cfg, one_device)  # the arrays come to this host
         learner.check_checkpoint_meta(meta.get("learner"), where=f"checkpoint in {directory}")
         restored = checkpointer.restore(learner.abstract_train_state(), int(meta["step"]))
-    learner.load_train_state(restored.state, restored.step)
+    learner.load_train_state(restored.state, restored.weight_version)
     out = export_hf(learner.model(), out_dir, source_dir=model_path, dtype=dtype)
     if learner.lora is not None:  # and the adapters as PEFT has them, beside the merged model
         export_adapter(learner.lora, learner.params, out / "adapter", config=learner.config,

@@ -149,7 +149,11 @@ class Learner:
         self.chunk_size = logprob_chunk_size
         self.loss_settings = losses.loss_settings(algorithm, generation_budget)
         self.tx, self.schedule = make_optimizer(optimizer, updates_per_step=epochs_per_batch)
-        self.step = 0  # train steps done
+        # The version of `params`: updates applied so far. It is the one count of updates: the
+        # trainer's weight version reads it, the learning-rate schedule and the LoRA dropout
+        # keys run on it, and optax's own count moves with it (a batch with nothing to train
+        # on moves neither); a checkpoint restores it with the optimizer state.
+        self.version = 0
         self.lora = lora
         self.seed = seed
         self.base_fingerprint = base_fingerprint  # of the base checkpoint (LoRA runs)
@@ -267,7 +271,7 @@ class Learner:
                 self.tx, self.params, self.opt_state, grads
             )
             per_epoch.append({**loss_metrics, "grad_norm": float(grad_norm), "lr": lr})
-        self.step += 1
+        self.version += 1
         metrics.update(_mean_over_epochs(per_epoch))
         return metrics
 
@@ -321,15 +325,15 @@ class Learner:
 
     def _updates(self) -> int:
         """Optimizer updates done so far (the schedule's clock)."""
-        return self.step * self.epochs
+        return self.version * self.epochs
 
     def _dropout_key(self, epoch: int, micro_batch: int) -> jax.Array | None:
-        """The LoRA dropout key of one forward: a function of (seed, step, epoch, micro-batch),
-        so a resumed run draws the same masks. None without LoRA dropout."""
+        """The LoRA dropout key of one forward: a function of (seed, version, epoch,
+        micro-batch), so a resumed run draws the same masks. None without LoRA dropout."""
         if self.lora is None or self.lora.dropout == 0:
             return None
         key = jax.random.key(self.seed)
-        for part in (self.step, epoch, micro_batch):
+        for part in (self.version, epoch, micro_batch):
             key = jax.random.fold_in(key, part)
         return key
 
@@ -526,11 +530,12 @@ class Learner:
             self.train_state(),
         )
 
-    def load_train_state(self, state: dict[str, Any], step: int) -> None:
-        """Adopt a restored `train_state()` (already on this mesh) and step counter."""
+    def load_train_state(self, state: dict[str, Any], version: int) -> None:
+        """Adopt a restored `train_state()` (already on this mesh) and the version its params
+        are (the checkpoint's weight version: updates applied, not steps run)."""
         self.params = jax.device_put(state["params"], self.param_shardings)
         self.opt_state = jax.device_put(state["opt_state"], self._opt_shardings)
-        self.step = int(step)
+        self.version = int(version)
 
 
 class _ForwardSpec(NamedTuple):

@@ -5,12 +5,14 @@
     {"step": 7, "trainer_version": 6, "uids": [...], "versions": [...], "samplers": [...],
      "seeds": [...], "requests": [...], "filtered": [...], "dropped": [{"uid", "reason"}]}
 
-``versions`` are the (oldest) weight versions each group was generated with, ``seeds`` and
-``requests`` what is needed to replay a group (the noise seed of its prompt and the request
-that carried it). A trainer that resumes from the checkpoint of step s moves the records of
-steps after s (which the restarted run repeats) to ``trained_prompts.rolled_back.jsonl``, each
-marked with the step it was rolled back to, so the main file lists every trained prompt of the
-final lineage exactly once and the rolled-back work stays visible.
+``trainer_version`` is the weight version the step trained from (the updates before it: a step
+with nothing to train on leaves it for the next), ``versions`` the (oldest) weight versions
+each group was generated with, ``seeds`` and ``requests`` what is needed to replay a group (the
+noise seed of its prompt and the request that carried it). A trainer that resumes from the
+checkpoint of step s moves the records of steps after s (which the restarted run repeats) to
+``trained_prompts.rolled_back.jsonl``, each marked with the step it was rolled back to, so the
+main file lists every trained prompt of the final lineage exactly once and the rolled-back work
+stays visible.
 """
 
 from __future__ import annotations
