@@ -21,8 +21,6 @@ gradients.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -95,16 +93,10 @@ def _shard_axes(sizes: dict[str, int], rows: int, heads: int, kv_heads: int):
     return row_spec, head_spec
 
 
-@functools.lru_cache(maxsize=64)
 def _kernel(heads: int, length: int, block: int, interpret: bool):
-    """The splash kernel for ``heads`` query heads over sequences of ``length`` (causal);
-    built once per shape. Its mask tables are concrete arrays computed on the host, even when
-    first asked for inside a trace (so the cached kernel holds no tracer)."""
-    with jax.ensure_compile_time_eval():
-        return _build_kernel(heads, length, block, interpret)
-
-
-def _build_kernel(heads: int, length: int, block: int, interpret: bool):
+    """The splash kernel for ``heads`` query heads over sequences of ``length`` (causal).
+    Built inside the trace that calls it (its mask tables become constants of that program;
+    a kernel cached across traces would carry one trace's values into another)."""
     mask = masks.MultiHeadMask([masks.CausalMask((length, length))] * heads)
     sizes = splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block,
