@@ -110,7 +110,7 @@ def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: lis
     services = cfg.services.model_copy(update={"sampler_addresses": sampler_addresses,
                                                "sampler_dns": None})
     pool = SamplerPool(services, max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
-                       on_join=lambda handle: pool.mark_ready(handle, handle.weight_version))
+                       sync_joins=False)  # they serve what they serve: nothing is pushed
     dispatcher = Dispatcher(pool, queue, metadata=auth_metadata(cfg.services.auth),
                             rollout_timeout_s=cfg.trainer.rollout_timeout_s)
     pool.start()

@@ -59,7 +59,6 @@ from trainer_service.orchestration.evaluation import (
     write_jsonl,
 )
 from trainer_service.orchestration.identity import ModelIdentity
-from trainer_service.orchestration.membership import SamplerHandle
 from trainer_service.orchestration.parts import build_leader_parts
 from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
@@ -138,7 +137,7 @@ class TrainerRun:
             self.pad_id = self.tokenizer.pad_token_id or 0
             self.parts = build_leader_parts(cfg, tokenizer=self.tokenizer,
                                             metadata=self.metadata, run_dir=self.run_dir,
-                                            sync_new_sampler=self._sync_new_sampler,
+                                            current_weights=self._host_params,
                                             identity=ModelIdentity.of(
                                                 model.config.architecture,
                                                 param_shapes(model.config),
@@ -374,19 +373,6 @@ class TrainerRun:
         """The params as the weight sender reads them: straight from the devices (one
         process), or gathered to this host together with the followers (multi-host)."""
         return self.hosts.params_for_push(self.learner.params, self.version)
-
-    def _sync_new_sampler(self, handle: SamplerHandle) -> None:
-        """A sampler that joined gets the current weights before it gets work: whatever it
-        served (its checkpoint, another run's weights of the same model) is replaced."""
-        params, version = self._host_params()
-        served = ("the weights of its own model.path" if not handle.weights_id
-                  else f"weights version {handle.weight_version} ({handle.weights_id})")
-        result = self.publisher.push_one(handle, params, version, reset=True,
-                                         unless_current=True)
-        # One line: what it served before, and that it now serves the trainer's weights.
-        log.info("sampler synced", extra={"address": handle.address, "served_before": served,
-                                          "ok": result.ok, "version": version,
-                                          "error": result.error})
 
     def _wait_for_samplers(self) -> None:
         wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],

@@ -36,12 +36,19 @@ def samplers():
 def pool_of(*samplers, version=0, timeout_s=30.0):
     services = ServicesConfig(sampler_addresses=[s.address for s in samplers],
                               sampler_timeout_s=timeout_s)
-    joined = []
-    pool = SamplerPool(services, max_message_bytes=4 << 20, on_join=joined.append)
-    pool.refresh()  # probes every sampler: new -> syncing, announced to on_join
+    pool = SamplerPool(services, max_message_bytes=4 << 20)
+    pool.refresh()  # probes every sampler: new -> syncing, announced by next_joined
     for handle in pool.all():
         pool.mark_ready(handle, version)  # what a successful push does
-    return pool, joined
+    return pool, joined_now(pool)
+
+
+def joined_now(pool):
+    """The joins the pool has announced so far (each is handed out once)."""
+    out = []
+    while (handle := pool.next_joined(0)) is not None:
+        out.append(handle)
+    return out
 
 
 def work(n, texts=None, seed=0):
@@ -156,6 +163,7 @@ def test_a_sampler_behind_on_weights_is_resynced_not_blamed(samplers):
     assert handle.failures == 0 and handle.weight_version < 3
     assert queue.outstanding() == 2  # its prompts wait for a sampler with version 3
     pool.refresh()  # the next probe announces it again, for a weight push
+    joined += joined_now(pool)
     assert handle.state == SYNCING and [h.sampler_id for h in joined] == ["behind", "behind"]
     dispatcher.stop()
     pool.stop()

@@ -4,6 +4,8 @@ a configured address is probed."""
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,7 +16,9 @@ from splitrl.retry import wait_until
 from splitrl.serving import check_health, start_server
 from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
 from trainer_service.orchestration.identity import ModelIdentity, RefusedSampler
+from trainer_service.orchestration.join_sync import JoinSync
 from trainer_service.orchestration.membership import SamplerPool
+from trainer_service.orchestration.publisher import WeightPublisher
 from trainer_service.server import StallWatch
 
 OURS = ModelIdentity.of("ScriptedForCausalLM",
@@ -76,22 +80,23 @@ def test_a_sampler_of_another_config_is_refused_naming_the_keys_and_the_run_is_s
     """Services started by hand with different configs: refused at registration (not at the
     first push), every differing key named; with no usable sampler the pool says why, until
     one of this run arrives."""
-    settings = {"trainer.steps": "10", "tokenizer": "sha256:aa", "model.vocab_size": "16"}
+    settings = {"sampling.stop_token_ids": "[]", "tokenizer": "sha256:aa",
+                "model.vocab_size": "16"}
     ours = ModelIdentity.of("ScriptedForCausalLM",
                             {"model.embed_tokens.weight": np.zeros((16, 8), np.float32)},
                             settings=settings)
-    other = ScriptedSampler("other", Script(agreed={**settings, "trainer.steps": "30",
+    other = ScriptedSampler("other", Script(agreed={**settings, "sampling.stop_token_ids": "[5]",
                                                     "tokenizer": "sha256:bb"})).start()
     good = ScriptedSampler("good", Script(agreed=settings)).start()
     p = SamplerPool(ServicesConfig(sampler_timeout_s=30.0), max_message_bytes=4 << 20,
                     identity=ours)
     try:
         assert p.stalled() == ""  # no sampler yet is not a refusal: they may be starting
-        with pytest.raises(RefusedSampler, match="tokenizer: trainer sha256:aa, sampler "
-                                                 "sha256:bb; trainer.steps: trainer 10, "
-                                                 "sampler 30") as caught:
+        with pytest.raises(RefusedSampler, match=r"sampling.stop_token_ids: trainer \[\], "
+                                                 r"sampler \[5\]; tokenizer: trainer sha256:aa, "
+                                                 "sampler sha256:bb") as caught:
             p.register(other.address)
-        assert caught.value.keys == ["tokenizer", "trainer.steps"]
+        assert caught.value.keys == ["sampling.stop_token_ids", "tokenizer"]
         assert p.stalled().startswith(f"every sampler was refused: {other.address}: its "
                                       "settings differ")
         # A probe sees it: the trainer's health is NOT_SERVING while it is stalled.
@@ -125,14 +130,55 @@ def test_an_address_that_is_not_a_sampler_is_refused():
 
 
 def test_a_sampler_restarted_at_the_same_address_is_synced_again(sampler):
-    joined = []
     services = ServicesConfig(sampler_addresses=[sampler.address], sampler_timeout_s=30.0)
-    p = SamplerPool(services, max_message_bytes=4 << 20, identity=OURS, on_join=joined.append)
+    p = SamplerPool(services, max_message_bytes=4 << 20, identity=OURS)
     p.refresh()
     handle = p.all()[0]
+    assert p.next_joined(0) is handle and p.next_joined(0) is None  # announced once
     p.mark_ready(handle, 7)
     sampler.instance_id = "a-new-process"  # what a restart at the same address reports
     p.refresh()
-    assert [h.address for h in joined] == [sampler.address] * 2  # pushed the weights again
+    assert p.next_joined(0) is handle  # announced again: the weights are pushed again
     assert handle.weight_version == 0 and handle.state != "ready"
     p.stop()
+
+
+def test_a_join_push_in_progress_does_not_delay_detecting_a_dead_sampler():
+    """A join push waits for the params, held through a train step (then takes a full push):
+    meanwhile the pool still probes, and a sampler that dies is dropped within
+    ``services.sampler_timeout_s`` (plus a heartbeat), not after the push."""
+    joining, dying = (ScriptedSampler(name, Script()).start() for name in ("joining", "dying"))
+    services = ServicesConfig(sampler_addresses=[joining.address, dying.address],
+                              sampler_timeout_s=1.0, heartbeat_s=0.1)
+    p = SamplerPool(services, max_message_bytes=4 << 20, identity=OURS)
+    publisher = WeightPublisher(p)
+    train_step = threading.Lock()
+    train_step.acquire()  # a train step holds the params for as long as this test needs
+    waiting = threading.Event()
+
+    def current_weights():
+        waiting.set()
+        with train_step:
+            return {}, 1
+
+    joins = JoinSync(p, publisher, current_weights, workers=1)
+    p.start()
+    joins.start()
+    try:
+        assert waiting.wait(30), "no join push started"
+        wait_until(lambda: len(p.all()) == 2, timeout_s=30, what="both samplers known")
+        dying.stop()
+        died = time.monotonic()
+        wait_until(lambda: dying.address not in [h.address for h in p.all()], timeout_s=30,
+                   what="the dead sampler dropped")
+        # Detection as usual: the timeout, a heartbeat, and a probe's failed call (a refused
+        # connection fails at once); far under the 30 s the push is still held.
+        assert time.monotonic() - died < services.sampler_timeout_s + 5.0
+        assert p.get(joining.address).state == "syncing"  # its push is still under way
+    finally:
+        train_step.release()
+        joins.stop()
+        p.stop()
+        publisher.close()
+        joining.stop()
+

@@ -10,9 +10,13 @@ and on Kubernetes:
 - ``RegisterSampler``/``Heartbeat`` calls from samplers themselves.
 
 A sampler goes ``new`` -> ``syncing`` (the publisher pushes the current weights) -> ``ready``
-(the dispatcher may give it work). One that fails a call is ``suspect``; one that stays
-unreachable for ``services.sampler_timeout_s`` is dropped: its channel is closed, so its calls
-in flight fail and the rollout queue hands their prompts to other samplers.
+(the dispatcher may give it work). The pool announces a sampler that joined on a queue
+(:meth:`SamplerPool.next_joined`) and never pushes itself: the trainer's join worker
+(``join_sync.py``) pushes on its own threads, so a push that waits for a train step or a slow
+sampler never holds up DNS refresh and dead-sampler detection of the others. One that fails a
+call is ``suspect``; one that stays unreachable for ``services.sampler_timeout_s`` is dropped:
+its channel is closed, so its calls in flight fail and the rollout queue hands their prompts to
+other samplers.
 
 A sampler must be a SplitRL sampler of this run (``identity.py``): an address that answers
 ``GetInfo`` with other agreed settings (config, model, tokenizer), another architecture or
@@ -31,10 +35,10 @@ handles; the prompts in flight per sampler are the rollout queue's to count.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -101,9 +105,12 @@ class SamplerPool:
         services: ServicesConfig,
         *,
         max_message_bytes: int,
-        on_join: Callable[[SamplerHandle], None] | None = None,
         identity: ModelIdentity | None = None,
+        sync_joins: bool = True,
     ):
+        """``sync_joins``: a sampler that joins waits for the trainer's weights (announced by
+        :meth:`next_joined`); False: it is ready at once with whatever it serves (evaluation
+        tools, which push nothing)."""
         self._cfg = services
         self._identity = identity
         self._max_message_bytes = max_message_bytes
@@ -112,7 +119,8 @@ class SamplerPool:
         self._dropped: dict[str, float] = {}  # address -> when it was dropped
         self._aliases: dict[str, str] = {}  # another address of a known sampler -> its own
         self._refused: dict[str, tuple[float, str]] = {}  # address -> (when, why)
-        self._on_join = on_join or (lambda h: None)
+        self._sync_joins = sync_joins
+        self._joined: queue.SimpleQueue[SamplerHandle] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.joined = 0
@@ -300,10 +308,23 @@ class SamplerPool:
         if joined:
             log.info("sampler joined", extra={"address": handle.address, "id": info.sampler_id,
                                               "restarted": bool(restarted)})
-            self._on_join(handle)
+            if self._sync_joins:
+                self._joined.put(handle)
+            else:
+                self.mark_ready(handle, info.weight_version, info.weights_id)
+
+    def next_joined(self, timeout_s: float) -> SamplerHandle | None:
+        """The next sampler that joined and waits for the current weights (oldest first), or
+        None after ``timeout_s``. Each join is handed out once; the pushed weights make it
+        ready (:meth:`mark_ready`)."""
+        try:
+            return self._joined.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
 
     def refresh(self) -> None:
-        """Resolve DNS, probe every sampler, drop the dead ones, announce the new ones."""
+        """Resolve DNS, probe every sampler, drop the dead ones, announce the new ones
+        (:meth:`next_joined`)."""
         candidates = [(a, "static") for a in self._cfg.sampler_addresses]
         if self._cfg.sampler_dns:
             candidates += [(a, "dns") for a in resolve_dns(self._cfg.sampler_dns)]

@@ -1,5 +1,6 @@
 """The leader's orchestration parts, built from the config: data, the rollout queue and its
-lanes, the sampler pool, the dispatcher, the weight publisher and the audit trail.
+lanes, the sampler pool, the dispatcher, the weight publisher, the join worker and the audit
+trail.
 
 Kept apart from ``run.py`` so the loop reads as the algorithm; this is the wiring.
 """
@@ -7,7 +8,7 @@ Kept apart from ``run.py`` so the loop reads as the algorithm; this is the wirin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from splitrl.config import Config
@@ -16,7 +17,8 @@ from trainer_service.orchestration.audit import AuditLog
 from trainer_service.orchestration.data import PromptStream
 from trainer_service.orchestration.dispatcher import Dispatcher, sampling_params
 from trainer_service.orchestration.identity import ModelIdentity
-from trainer_service.orchestration.membership import SamplerHandle, SamplerPool
+from trainer_service.orchestration.join_sync import JoinSync
+from trainer_service.orchestration.membership import SamplerPool
 from trainer_service.orchestration.publisher import WeightPublisher
 from trainer_service.orchestration.queue import Lane, RolloutQueue
 from trainer_service.orchestration.rollouts import EVAL, TRAIN
@@ -50,35 +52,40 @@ class LeaderParts:
     pool: SamplerPool
     dispatcher: Dispatcher
     publisher: WeightPublisher
+    joins: JoinSync
     audit: AuditLog
 
     def start(self) -> None:
         self.pool.start()
+        self.joins.start()
         self.dispatcher.start()
 
     def close(self) -> None:
         self.dispatcher.stop()
         self.queue.close()
+        self.joins.stop()
         self.pool.stop()
         self.publisher.close()
         self.audit.close()
 
 
 def build_leader_parts(cfg: Config, *, tokenizer, metadata: tuple, run_dir,
-                       sync_new_sampler: Callable[[SamplerHandle], None],
+                       current_weights: Callable[[], tuple[Mapping, int]],
                        identity: ModelIdentity | None = None,
                        lora: LoraSpec | None = None) -> LeaderParts:
-    """``sync_new_sampler(handle)`` pushes the current weights to a sampler that just joined;
-    ``identity`` is the model samplers must serve (others are refused); with ``lora`` pushes
-    carry the adapters, for the base checkpoint ``identity.base_fingerprint``."""
+    """``current_weights()`` returns ``(params, version)`` for samplers that join (pushed by
+    the join worker); ``identity`` is the model samplers must serve (others are refused);
+    with ``lora`` pushes carry the adapters, for the base checkpoint
+    ``identity.base_fingerprint``."""
     data = PromptStream.for_run(cfg, tokenizer=tokenizer)  # long prompts handled here
     queue = RolloutQueue(lanes(cfg))
     pool = SamplerPool(cfg.services,
                        max_message_bytes=2 * cfg.sampler.max_chunk_bytes + (1 << 20),
-                       on_join=sync_new_sampler, identity=identity)
+                       identity=identity)
     dispatcher = Dispatcher(pool, queue, metadata=metadata,
                             rollout_timeout_s=cfg.trainer.rollout_timeout_s)
     publisher = WeightPublisher(pool, metadata=metadata, auth=cfg.services.auth,
                                 push=cfg.trainer.push, lora=lora,
                                 base_fingerprint=identity.base_fingerprint if identity else None)
-    return LeaderParts(data, queue, pool, dispatcher, publisher, AuditLog(run_dir))
+    joins = JoinSync(pool, publisher, current_weights)
+    return LeaderParts(data, queue, pool, dispatcher, publisher, joins, AuditLog(run_dir))
