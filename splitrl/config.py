@@ -121,11 +121,11 @@ class ModelSection(Section):
     (recomputes the elementwise ops and attention's score products). bench/remat.py measures
     what each costs and saves."""
     attention: Literal["auto", "xla", "splash"] = "auto"
-    """How the trainer's attention runs (docs/plan.md, "Attention kernels"): "auto" the
-    Pallas splash kernel on TPU (under a shard_map over the trainer's mesh) and XLA ops
-    elsewhere (CPU's dense path unchanged); "xla" XLA ops everywhere (dense on CPU,
-    memory-efficient blockwise on TPU and GPU); "splash" the kernel everywhere (on CPU in
-    Pallas interpret mode: slow, for checking the kernel)."""
+    """How the trainer's attention runs (docs/attention.md): "auto" the Pallas splash kernel
+    on TPU (under a shard_map over the trainer's mesh) and XLA ops elsewhere (CPU's dense path
+    unchanged); "xla" XLA ops everywhere (dense on CPU, memory-efficient blockwise on TPU and
+    GPU); "splash" the kernel everywhere (on CPU in Pallas interpret mode: slow, for checking
+    the kernel)."""
     lora: LoraConfig | None = None
     """LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on."""
 

@@ -33,7 +33,7 @@ from splitrl.models.paged import (
     paged_attend_xla,
     pages_per_block,
 )
-from splitrl.planning import libtpu_installed
+from splitrl.platforms import libtpu_installed
 
 CONFIG = TransformerConfig(family="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -166,7 +166,7 @@ needs_libtpu = pytest.mark.skipif(
 def test_decode_step_compiles_the_paged_kernel_for_a_tpu():
     """One decode step of a model with 128-wide heads, bfloat16, on a v5e 2x2 slice with the
     key/value heads over tensor=2 (libtpu compiles it; nothing runs)."""
-    from splitrl.planning import tpu_target
+    from splitrl_app.planning import tpu_target
 
     config = TransformerConfig(family="llama", vocab_size=256, hidden_size=512,
                                intermediate_size=1024, num_layers=2, num_heads=4,

@@ -5,6 +5,8 @@ shard_map over a mesh, and as the model's attention (`CausalLM(attention="splash
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,7 @@ from splitrl import models
 from splitrl.models import causal_mask, dense_attend
 from splitrl.models.attention import attend
 from splitrl.models.splash import _shard_axes, block_size, splash_attend
+from splitrl.platforms import libtpu_installed
 
 
 def _inputs(b=2, t=37, h=4, kh=2, dh=16, seed=0):
@@ -139,3 +142,30 @@ def _no_mesh():
 def test_unknown_attention_implementation_is_rejected(tiny_config):
     with pytest.raises(ValueError, match="attention: expected one of"):
         models.CausalLM(tiny_config, rngs=nnx.Rngs(0), attention="flash")
+
+
+@pytest.mark.skipif(not libtpu_installed(), reason="libtpu (the TPU compiler) is not "
+                    "installed: pip install -e '.[tpu-plan]'")
+@pytest.mark.parametrize("attention, kernels", [
+    ("auto", {"splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals",
+              "splash_mha_dkv_segmented_no_residuals"}),
+    ("xla", set()),
+])
+def test_trainer_on_a_tpu_lowers_its_train_step_with_the_splash_kernels(attention, kernels):
+    """The learner's train step for a v5e 2x2 slice (fsdp=2 x tensor=2; lowered, not compiled:
+    `splitrl plan`'s TPU tests compile it): "auto" has splash's forward and both backward
+    kernels in it, "xla" none."""
+    from splitrl.config import load_config
+    from splitrl_app.planning import tpu_target
+    from tests.conftest import REPO_ROOT
+    from trainer_service.learning.learner import Learner
+
+    config = models.TransformerConfig(family="llama", vocab_size=256, hidden_size=256,
+                                      intermediate_size=512, num_layers=2, num_heads=4,
+                                      num_kv_heads=2, head_dim=64)
+    cfg = load_config(str(REPO_ROOT / "splitrl" / "configs" / "demo.yaml"),
+                      [f"model.attention={attention}"])
+    mesh = Mesh(np.array(tpu_target("v5e:2x2").devices).reshape(2, 2), ("fsdp", "tensor"))
+    learner = Learner.from_config(models.abstract_model(config), cfg, mesh)
+    text = learner.lower_train_step(rows=4, length=256)["grad_step"].as_text()
+    assert set(re.findall(r'kernel_name\s*=\s*"([^"]+)"', text)) == kernels
