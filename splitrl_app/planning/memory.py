@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # jax is imported where it is used: the launch estimate needs
 
 # XLA:TPU refuses to compile a program that cannot fit and says how much it needed:
 # "Used 20.51G of 15.48G hbm. Exceeded hbm capacity by 5.03G."
+# A Pallas TPU kernel's name in a lowered program (the Mosaic custom call's attribute).
+_KERNEL_NAME = re.compile(r'kernel_name\s*=\s*"([^"]+)"')
 _USED = re.compile(r"Used ([0-9.]+)([KMGT]) of ([0-9.]+)([KMGT]) hbm")
 _UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
@@ -36,6 +38,7 @@ class ProgramMemory:
     new_outputs: int  # outputs that do not reuse a donated argument's buffer
     code: int
     compile_seconds: float
+    kernels: tuple[str, ...] = ()  # the Pallas kernels in the program, by name
 
     @property
     def transient(self) -> int:
@@ -87,6 +90,7 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
     """Compiles `lowered`; raises OutOfMemory when the compiler finds it cannot fit."""
     import jax
 
+    kernels = tuple(sorted(set(_KERNEL_NAME.findall(lowered.as_text()))))
     start = time.perf_counter()
     # Not through the persistent compilation cache: a TPU executable from libtpu's
     # compile-only client can be written there but not read back ("PjRtCompiler must be
@@ -117,6 +121,7 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
         new_outputs=max(0, int(stats.output_size_in_bytes - stats.alias_size_in_bytes)),
         code=int(stats.generated_code_size_in_bytes),
         compile_seconds=seconds,
+        kernels=kernels,
     )
 
 

@@ -135,6 +135,8 @@ def format_report(r: ServiceReport) -> str:
                      f"{'fits' if m.fits else 'DOES NOT FIT'}")
         lines.append("  compiled: " + ", ".join(
             f"{p.name} {p.compile_seconds:.1f} s" for p in m.programs))
+        lines.extend(f"  Pallas kernels in {p.name}: {', '.join(p.kernels)}"
+                     for p in m.programs if p.kernels)
     else:
         needed = "" if m.needed is None else f" (needs about {m.needed / GIB:.2f} GiB)"
         lines.append(f"  DOES NOT FIT: the compiler refused {m.error}{needed}")

@@ -19,7 +19,13 @@ from splitrl.mesh import build_mesh
 from splitrl.models import from_pretrained, param_shapes
 from splitrl.models import load_config as load_model_config
 from splitrl_app import cli
-from splitrl_app.planning import cpu_target, libtpu_installed, plan_run, tpu_target
+from splitrl_app.planning import (
+    cpu_target,
+    format_reports,
+    libtpu_installed,
+    plan_run,
+    tpu_target,
+)
 from tests.conftest import REPO_ROOT
 
 DEMO = str(REPO_ROOT / "splitrl" / "configs" / "demo.yaml")
@@ -150,6 +156,13 @@ def test_tpu_train_step_memory_report_counts_the_model_parameters(tpu_reports,
     assert r.target.device_kind == "TPU v5 lite" and r.mesh == {"fsdp": 2}
     m = r.measurement
     assert m.fits and {p.name for p in m.programs} == {"grad_step", "apply_update"}
+    # model.attention "auto" on TPU: the splash kernel, forward and backward (docs/attention.md)
+    kernels = {p.name: set(p.kernels) for p in m.programs}
+    assert kernels["grad_step"] == {"splash_mha_fwd_segmented_residuals",
+                                    "splash_mha_dq_segmented_no_residuals",
+                                    "splash_mha_dkv_segmented_no_residuals"}
+    assert kernels["apply_update"] == set()
+    assert "Pallas kernels in grad_step: splash_mha_dkv" in format_reports([r])
     total, one_d = _bytes_by_param(load_model_config(one_layer_config.parent), 4)  # float32
     # fsdp over 2 chips halves every matrix; 1-D norm weights stay whole on each chip.
     assert total / 2 <= m.categories["parameters"] <= total / 2 + one_d / 2
