@@ -60,12 +60,13 @@ from sampler_service.requests import (
 )
 from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.scheduler import Scheduler
+from splitrl.config import Config
 from splitrl.mesh import param_shardings
 from splitrl.models import TransformerConfig, hf_from_state, state_from_hf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationEngine"]
+__all__ = ["GenerationEngine", "engine_from_config", "serving_dtype"]
 
 _COUNTERS = ("requests", "sequences", "prefills", "prefill_tokens", "prefill_padded_tokens",
              "tokens_generated", "segments", "decode_steps", "row_steps", "live_row_steps",
@@ -353,3 +354,30 @@ class GenerationEngine:
                     f"{self.max_sequence_length}")
             out.append(arr.astype(np.int32))
         return out
+
+
+def serving_dtype(config: Config) -> jnp.dtype:
+    """The dtype a sampler serves in: ``sampler.dtype``, else ``model.dtype``."""
+    return jnp.dtype(config.sampler.dtype or config.model.dtype)
+
+
+def engine_from_config(config: Config, model_config: TransformerConfig, graphdef, mesh: Mesh, *,
+                       eos_token_ids: Sequence[int], pad_token_id: int | None,
+                       weights: Callable[[], tuple[int, nnx.State]] | None = None,
+                       max_batch_size: int | None = None,
+                       kv_cache_bytes: int | None = None) -> GenerationEngine:
+    """The engine as ``sampler.*`` configures it: the one a sampler serves with
+    (`sampler_service.server.serve`) and the one `splitrl plan` compiles, built in one place so
+    that the plan measures the programs the sampler runs. ``max_batch_size`` and
+    ``kv_cache_bytes`` replace the configured ones (the planner's searched sizes)."""
+    sampler = config.sampler
+    return GenerationEngine(
+        model_config, graphdef, mesh=mesh,
+        max_batch_size=sampler.max_batch_size if max_batch_size is None else max_batch_size,
+        max_sequence_length=sampler.max_sequence_length,
+        eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
+        kv_cache_bytes=sampler.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes,
+        batching=sampler.batching, segment_steps=sampler.segment_steps,
+        update_in_flight=sampler.update_in_flight, weights=weights,
+        dtype=serving_dtype(config),
+        concurrent_batches=concurrent_batches_for(sampler.concurrent_batches, mesh))

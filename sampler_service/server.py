@@ -36,7 +36,6 @@ from collections.abc import Iterator
 
 import grpc
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from sampler_service import metrics
@@ -260,12 +259,11 @@ def advertised_host(config: Config) -> str:
 
 def serve(config: Config) -> tuple[Server, SamplerServicer]:
     """Load the model, build mesh, weights, engine and reward client, and start the server."""
-    from sampler_service.engine import GenerationEngine, concurrent_batches_for
+    from sampler_service.engine import engine_from_config, serving_dtype
     from splitrl.models import from_pretrained
 
     sampler = config.sampler
-    serving_dtype = sampler.dtype or config.model.dtype
-    dtype = jnp.bfloat16 if serving_dtype == "bfloat16" else jnp.float32
+    dtype = serving_dtype(config)
     model = from_pretrained(config.model.path, dtype)
     graphdef, state = nnx.split(model)
     mesh = build_mesh(sampler.mesh)
@@ -282,17 +280,10 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     pad = model_pad = weights.config.pad_token_id
     if model_pad is None and tokenizer is not None:
         pad = tokenizer.pad_token_id
-    engine = GenerationEngine(weights.config, graphdef, mesh=mesh,
-                              max_batch_size=sampler.max_batch_size,
-                              max_sequence_length=sampler.max_sequence_length,
-                              eos_token_ids=generation_stop_ids(config.model.path, weights.config,
-                                                                tokenizer),
-                              pad_token_id=pad, kv_cache_bytes=sampler.kv_cache_bytes,
-                              batching=sampler.batching, segment_steps=sampler.segment_steps,
-                              update_in_flight=sampler.update_in_flight,
-                              weights=weights.snapshot, dtype=dtype,
-                              concurrent_batches=concurrent_batches_for(
-                                  sampler.concurrent_batches, mesh))
+    engine = engine_from_config(
+        config, weights.config, graphdef, mesh,
+        eos_token_ids=generation_stop_ids(config.model.path, weights.config, tokenizer),
+        pad_token_id=pad, weights=weights.snapshot)
     metrics.KV_CACHE_BUDGET_BYTES.set(engine.kv_cache_budget_bytes)
     reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
                            auth=config.services.auth)
@@ -322,7 +313,7 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
         intake.data_address = servicer.data_address = f"{advertised_host(config)}:{data.port}"
     log.info("sampler ready", extra={
         "address": servicer.address, "data_address": servicer.data_address,
-        "sampler_id": worker.sampler_id, "dtype": serving_dtype,
+        "sampler_id": worker.sampler_id, "dtype": dtype.name,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
         "max_batch_size": engine.max_batch_size, "kv_cache_bytes": engine.kv_cache_budget_bytes,

@@ -3,11 +3,12 @@ target at a given batch size (`measure(rows)`).
 
 Nothing here re-implements a program: the trainer's are `Learner.lower_train_step` of a
 learner over abstract parameters, the sampler's are `Scheduler.lower` (prefill, admit, decode)
-of an engine built as `sampler_service.server.serve` builds it. Shapes are the worst case a run
-allows: the trainer's micro-batch at the longest sequence the samplers accept
-(`sampler.max_sequence_length`, bucketed as `learning.batching` buckets), the sampler's full
-batch (`sampler.max_batch_size` rows, groups of `algorithm.group_size`) with the longest prompt
-that still leaves room for `sampling.max_new_tokens`.
+of the engine `sampler_service.engine.engine_from_config` builds, the same factory the sampler
+server builds its engine with. Shapes are the worst case a run allows: the trainer's
+micro-batch at the longest sequence the samplers accept (`sampler.max_sequence_length`,
+bucketed as `learning.batching` buckets), the sampler's full batch (`sampler.max_batch_size`
+rows, groups of `algorithm.group_size`) with the longest prompt that still leaves room for
+`sampling.max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -107,13 +108,14 @@ class SamplerPlanner:
     def __init__(self, cfg: Config, model_config: TransformerConfig, target: Target):
         from flax import nnx
 
+        from sampler_service.engine import serving_dtype
         from sampler_service.sampling import SamplingOptions
 
         sampler, sampling = cfg.sampler, cfg.sampling
         self.cfg = cfg
         self.target = target
         self.config = model_config
-        self.dtype = jnp.dtype(sampler.dtype or cfg.model.dtype)
+        self.dtype = serving_dtype(cfg)
         self.mesh = build_mesh(sampler.mesh, target.devices)
         self.graphdef = nnx.split(abstract_model(model_config, self.dtype))[0]
         eos = model_config.eos_token_id
@@ -138,16 +140,11 @@ class SamplerPlanner:
         self.budget = sampler.kv_cache_bytes
 
     def _engine(self, rows: int, kv_cache_bytes: int):
-        from sampler_service.engine import GenerationEngine, concurrent_batches_for
+        from sampler_service.engine import engine_from_config
 
-        s = self.cfg.sampler
-        return GenerationEngine(self.config, self.graphdef, mesh=self.mesh, max_batch_size=rows,
-                                max_sequence_length=s.max_sequence_length,
-                                eos_token_ids=self.eos, pad_token_id=0,
-                                kv_cache_bytes=kv_cache_bytes, batching=s.batching,
-                                segment_steps=s.segment_steps, dtype=self.dtype,
-                                concurrent_batches=concurrent_batches_for(
-                                    s.concurrent_batches, self.mesh))
+        return engine_from_config(self.cfg, self.config, self.graphdef, self.mesh,
+                                  eos_token_ids=self.eos, pad_token_id=0, max_batch_size=rows,
+                                  kv_cache_bytes=kv_cache_bytes)
 
     def describe(self, rows: int) -> str:
         budget = (f"kv_cache_bytes {self.budget}" if rows == self.rows and self.budget
