@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from sampler_helpers import tiny_config
 
 from sampler_service.paged_cache import (
     PagedDecodeAttention,
@@ -35,9 +36,7 @@ from splitrl.models.paged import (
 )
 from splitrl.platforms import libtpu_installed
 
-CONFIG = TransformerConfig(family="qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
-                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                           attention_bias=True)
+CONFIG = tiny_config()
 
 
 def test_page_table_assigns_releases_and_moves_pages():
