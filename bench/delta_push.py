@@ -24,8 +24,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from splitrl.config import load_config  # noqa: E402
 from splitrl.init_model import init_model  # noqa: E402
-from splitrl_app.launcher import demo_config_path  # noqa: E402
-from splitrl_app.launcher import main as launch  # noqa: E402
+from splitrl_app.launch.demo import demo_config_path  # noqa: E402
+from splitrl_app.launch.up import main as launch  # noqa: E402
 
 
 def run(model: Path, run_dir: Path, lr: float, steps: int, dtype: str) -> list[dict]:

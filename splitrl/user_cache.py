@@ -5,10 +5,7 @@
 - ``xla/``: compiled XLA programs (the default ``JAX_COMPILATION_CACHE_DIR`` of every service
   the launcher starts);
 - ``tokenizer-classes.json``: the tokenizer class `AutoTokenizer` chose for a checkpoint
-  (:func:`splitrl.tokenizer.remembered_tokenizer_class`);
-- ``prompt-length-checks.json``: what `splitrl up`'s prompt length check found for a data set
-  and tokenizer (``splitrl_app.launcher.check_data``), so the next launch on them loads no
-  tokenizer before the services start.
+  (:func:`splitrl.tokenizer.remembered_tokenizer_class`).
 
 Deleting the directory is always safe: everything in it is found again, more slowly.
 """

@@ -124,7 +124,7 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int | None:
-    from splitrl_app.launcher import demo, demo_config_path
+    from splitrl_app.launch.demo import demo, demo_config_path
 
     return demo(load_config(args.config or demo_config_path(), _overrides(args)))
 
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reward": ("reward_service.server:main", "run the reward service"),
         "trainer": ("trainer_service.server:main", "run the trainer service"),
         "up": (
-            "splitrl_app.launcher:main",
+            "splitrl_app.launch.up:main",
             "start reward, samplers and trainer as local processes and run training",
         ),
     }

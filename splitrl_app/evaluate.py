@@ -161,7 +161,7 @@ def report(result: dict[str, float], cfg: Config) -> list[str]:
 
 
 def main(args) -> int:
-    from splitrl_app.launcher import Launcher
+    from splitrl_app.launch.supervisor import Launcher
 
     ks = sorted({int(k) for k in args.k.split(",") if k.strip()})
     samples = args.samples if args.samples is not None else (max(ks) if ks else 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +144,35 @@ def main(run_dir: str) -> int:
     for path in written:
         print(path)
     return 0
+
+
+def plot_quietly(run_dir: Path) -> None:
+    """`splitrl plot` of a run at the end of `splitrl up`: a convenience that never fails the
+    run (what stopped it is said instead)."""
+    try:
+        main(str(run_dir))
+    except Exception as e:  # plots are a convenience; never fail the run on them
+        print(f"(plots skipped: {e})", flush=True)
+
+
+def load_matplotlib_in_background() -> threading.Thread:
+    """Import matplotlib in a thread while the run trains (a synchronous run keeps about one
+    core busy, the sampler or the trainer), so plotting at the end only draws."""
+
+    def load():
+        try:
+            load_matplotlib()
+        except Exception:  # plot_quietly reports it at the end, if plotting fails
+            pass
+
+    thread = threading.Thread(target=load, name="plots-import", daemon=True)
+    thread.start()
+    return thread
+
+
+def plot_in_background(run_dir: Path) -> threading.Thread:
+    """:func:`plot_quietly` of a finished run in a thread, so the plots render while the
+    services shut down."""
+    thread = threading.Thread(target=plot_quietly, args=(run_dir,), name="plots", daemon=True)
+    thread.start()
+    return thread

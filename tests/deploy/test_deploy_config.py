@@ -35,7 +35,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def test_container_config_is_the_demo_config_plus_deployment_keys():
-    from splitrl_app import launcher as demo_launcher
+    from splitrl_app.launch import demo as demo_launcher
 
     deployed = _flatten(to_dict(load_config(DEPLOY / "config" / "splitrl.yaml")))
     demo = _flatten(to_dict(load_config(demo_launcher.demo_config_path())))

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from splitrl.config import Config, load_config
-from splitrl_app.launcher import Launcher, demo_config_path
+from splitrl_app.launch.demo import demo_config_path
+from splitrl_app.launch.supervisor import Launcher
 
 
 def run_config(model_dir: Path, run_dir: Path, *overrides: str) -> Config:

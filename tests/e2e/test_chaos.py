@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from splitrl_app.launcher import Launcher
+from splitrl_app.launch.supervisor import Launcher
 from tests.e2e.harness import run_config, status_step, tail, wait_exit, wait_for
 from trainer_service.orchestration.audit import audit_run
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from splitrl_app.launcher import demo_config_path
+from splitrl_app.launch.demo import demo_config_path
 from tests.e2e.harness import tail, wait_for
 
 pytestmark = pytest.mark.slow

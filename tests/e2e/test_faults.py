@@ -13,8 +13,9 @@ import pytest
 
 from splitrl.serving import make_channel
 from splitrl.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
-from splitrl_app.launcher import Launcher, free_port
-from splitrl_app.launcher import main as launch
+from splitrl_app.launch.ports import free_port
+from splitrl_app.launch.supervisor import Launcher
+from splitrl_app.launch.up import main as launch
 from tests.e2e.harness import (
     export_digest,
     log_records,

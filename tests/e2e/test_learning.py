@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from splitrl_app.launcher import main as launch
+from splitrl_app.launch.up import main as launch
 from tests.e2e.harness import run_config, trained_records
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import signal
 import numpy as np
 import pytest
 
-from splitrl_app.launcher import Launcher
+from splitrl_app.launch.supervisor import Launcher
 from tests.e2e.harness import (
     log_records,
     run_config,

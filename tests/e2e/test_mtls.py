@@ -13,7 +13,7 @@ from tls_certs import SERVER_NAME, make_pki
 from splitrl.config import AuthConfig
 from splitrl.serving import check_health, make_channel
 from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
-from splitrl_app.launcher import Launcher
+from splitrl_app.launch.supervisor import Launcher
 from tests.e2e.harness import (
     log_records,
     run_config,

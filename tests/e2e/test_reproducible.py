@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitrl_app.launcher import main as launch
+from splitrl_app.launch.up import main as launch
 from tests.e2e.harness import export_digest, run_config, step_metrics
 
 pytestmark = pytest.mark.slow

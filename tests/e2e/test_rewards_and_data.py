@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from splitrl_app import launcher
+from splitrl_app.launch import up
 from tests.e2e.harness import run_config, trained_records
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def test_raising_wrong_length_and_non_number_functions_stop_the_run(arith_model,
                  "{name: 'e2e_rewards:too_few'}, {name: 'e2e_rewards:not_a_number'}]")
     cfg = run_config(arith_model, run_dir, "trainer.steps=3", f"reward.functions={functions}",
                      *SHORT)
-    code = launcher.main(cfg)
+    code = up.main(cfg)
     console = capsys.readouterr()
     assert code != 0
     text = console.out + console.err
@@ -80,7 +80,7 @@ def test_one_over_long_row_under_each_length_policy(arith_model, tmp_path, capsy
                      f"trainer.data.long_prompt_policy={policy}",
                      "reward.functions=[{name: 'e2e_rewards:sum_of_columns'}]",
                      "reward.accuracy_function=e2e_rewards:sum_of_columns", *SHORT)
-    code = launcher.main(cfg)
+    code = up.main(cfg)
     console = capsys.readouterr()
     if policy == "error":
         assert code == 2

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from splitrl.jsonl import read_jsonl
-from splitrl_app import launcher
-from splitrl_app.launcher import Launcher
+from splitrl_app.launch import up
+from splitrl_app.launch.supervisor import Launcher
 from tests.e2e.harness import run_config, status_step, tail, wait_exit, wait_for
 from trainer_service.orchestration.audit import audit_run
 
@@ -47,7 +47,7 @@ def test_the_reward_policy_stops_after_checkpointing_and_loses_nothing(arith_mod
     functions = "[{name: exact_answer}, {name: 'e2e_rewards:fails_on_3_plus_3'}]"
     cfg = run_config(arith_model, run_dir, "trainer.steps=8", "trainer.checkpoint.every=50",
                      f"reward.functions={functions}", *SHORT)
-    assert launcher.main(cfg) == 3  # the documented exit code of the reward error policy
+    assert up.main(cfg) == 3  # the documented exit code of the reward error policy
     out = capsys.readouterr().out
     ended = summary(run_dir)
     assert ended["state"] == "stopped" and ended["step"] == 4.0
@@ -69,7 +69,7 @@ def test_a_full_checkpoint_disk_stops_the_run_at_the_save_that_failed(arith_mode
     checkpoints = small_disk("2m") / "checkpoints"  # one checkpoint of the tiny model fits
     cfg = run_config(arith_model, run_dir, "trainer.steps=20", "trainer.checkpoint.every=5",
                      f"trainer.checkpoint.dir={checkpoints}", *SHORT)
-    assert launcher.main(cfg) == 1
+    assert up.main(cfg) == 1
     err = capsys.readouterr().err
     assert "could not be written" in err and "disk full (no space left on device)" in err
     assert "Task exception was never retrieved" not in err
@@ -89,7 +89,7 @@ def test_a_full_checkpoint_disk_stops_the_run_at_the_save_that_failed(arith_mode
         "eval_after/accuracy": 0.24, "eval_before/step": 0.0}))
     old = time.time() - 3600
     os.utime(run_dir / "summary.json", (old, old))
-    assert launcher.main(cfg) == 2
+    assert up.main(cfg) == 2
     captured = capsys.readouterr()
     assert f"no checkpoint in {checkpoints} reads: step 5" in captured.err
     assert "another trainer.run_dir" in captured.err

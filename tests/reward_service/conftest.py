@@ -14,7 +14,7 @@ import pytest
 import yaml
 from reward_server_setup import MARKER, SERVER_CONFIG
 
-from splitrl_app.launcher import free_port, release_port
+from splitrl_app.launch.ports import free_port, release_port
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

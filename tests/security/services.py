@@ -1,6 +1,6 @@
 """The three real services, each in its own process on 127.0.0.1, for the security tests.
 
-Started by the local launcher (``splitrl_app.launcher.Launcher``) from one config, as in a
+Started by the local launcher (``splitrl_app.launch.supervisor.Launcher``) from one config, as in a
 deployment: a tiny model, one reward function, a sampler that does not join the trainer (so
 the trainer stays idle, waiting for samplers, while serving its API), and the shared auth
 token. Each process logs JSON lines to its own file.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitrl.config import AuthConfig, load_config
-from splitrl_app.launcher import Launcher
+from splitrl_app.launch.supervisor import Launcher
 
 TOKEN = "fuzz-and-auth-token"
 AUTH = AuthConfig(token=TOKEN)

@@ -18,7 +18,7 @@ def test_the_services_import_without_the_cli_extras():
         "import sys\n"
         "sys.modules['matplotlib'] = sys.modules['kubernetes'] = None\n"
         "import sampler_service.server, reward_service.server, trainer_service.server\n"
-        "import splitrl_app.launcher, splitrl_app.cli, splitrl_app.k8s\n"
+        "import splitrl_app.launch.up, splitrl_app.cli, splitrl_app.k8s\n"
         "print('imported')\n")
     assert lines[-1] == "imported"
 

@@ -55,7 +55,7 @@ def test_a_name_that_is_no_tokenizer_class_is_refused_by_name(arith_model, name)
 
 
 def test_the_launcher_pins_the_class_in_the_launch_config(arith_model, tmp_path):
-    from splitrl_app.launcher import Launcher
+    from splitrl_app.launch.supervisor import Launcher
     from tests.e2e.harness import run_config
 
     launcher = Launcher(run_config(arith_model, tmp_path / "run"))
@@ -69,7 +69,7 @@ def test_the_launcher_pins_the_class_in_the_launch_config(arith_model, tmp_path)
 
 def test_the_chosen_class_is_remembered_so_the_next_launch_skips_torch(arith_model, tmp_path,
                                                                       monkeypatch):
-    from splitrl_app.launcher import pin_tokenizer_class
+    from splitrl_app.launch.tokenizer_class import pin_tokenizer_class
     from tests.e2e.harness import run_config
 
     monkeypatch.setenv("SPLITRL_CACHE_DIR", str(tmp_path / "cache"))
@@ -81,7 +81,7 @@ def test_the_chosen_class_is_remembered_so_the_next_launch_skips_torch(arith_mod
     # A new launcher process pins the same class without importing torch.
     code = ("import sys\n"
             "from tests.e2e.harness import run_config\n"
-            "from splitrl_app.launcher import pin_tokenizer_class\n"
+            "from splitrl_app.launch.tokenizer_class import pin_tokenizer_class\n"
             f"cfg = run_config({str(arith_model)!r}, {str(tmp_path / 'run2')!r})\n"
             "assert pin_tokenizer_class(cfg) is None\n"
             "print(cfg.model.tokenizer_class, 'torch' in sys.modules)\n")

@@ -17,8 +17,9 @@ import sys
 import pytest
 
 from splitrl.config import load_config
-from splitrl_app import launcher
-from splitrl_app.oom import OomWitness
+from splitrl_app.launch import demo, preflight, supervisor
+from splitrl_app.launch.oom import OomWitness
+from splitrl_app.launch.up import main as launch
 from splitrl_app.planning import estimate
 from tests.fresh_python import python_prints
 
@@ -34,7 +35,7 @@ GIB = 2**30
 
 
 def config(arith_model, tmp_path, *overrides):
-    return load_config(launcher.demo_config_path(), [
+    return load_config(demo.demo_config_path(), [
         f"model.path={arith_model}", f"trainer.run_dir={tmp_path / 'run'}", *overrides])
 
 
@@ -49,7 +50,7 @@ def smol(tmp_path):
 
 def test_the_reported_run_gets_a_micro_batch_that_fits_and_says_so(smol, tmp_path, capsys):
     cfg = config(smol, tmp_path, *REPORTED)
-    assert launcher.check_memory(cfg, memory_bytes=int(23.5 * GIB)) is None
+    assert preflight.check_memory(cfg, memory_bytes=int(23.5 * GIB)) is None
     said = capsys.readouterr().out
     # The whole batch (16 rows of 512 tokens) needs about 30 GiB in the trainer alone (the
     # plan's compile said 29.64 GiB); micro-batches of 4 rows fit beside two samplers.
@@ -63,12 +64,12 @@ def test_the_reported_run_gets_a_micro_batch_that_fits_and_says_so(smol, tmp_pat
 def test_a_configured_micro_batch_that_does_not_fit_stops_naming_one_that_does(smol, tmp_path,
                                                                               capsys):
     cfg = config(smol, tmp_path, *REPORTED, "trainer.micro_batch_size=16")
-    problem = launcher.check_memory(cfg, memory_bytes=int(23.5 * GIB))
+    problem = preflight.check_memory(cfg, memory_bytes=int(23.5 * GIB))
     assert problem.startswith("out of memory: this launch would need about ")
     assert "Set trainer.micro_batch_size=4 (about " in problem
     assert cfg.trainer.micro_batch_size == 16  # what the user set is never changed
     # Nothing fits: the samplers alone are too big for the memory.
-    problem = launcher.check_memory(cfg, memory_bytes=4 * GIB)
+    problem = preflight.check_memory(cfg, memory_bytes=4 * GIB)
     assert "does not fit at the smallest micro-batch either" in problem
     assert "sampler.max_batch_size" in problem and "services.num_samplers" in problem
     assert capsys.readouterr().out == ""
@@ -76,12 +77,12 @@ def test_a_configured_micro_batch_that_does_not_fit_stops_naming_one_that_does(s
 
 def test_the_demo_fits_silently_and_the_estimate_imports_no_jax(arith_model, tmp_path, capsys):
     cfg = config(arith_model, tmp_path)
-    assert launcher.check_memory(cfg) is None
+    assert preflight.check_memory(cfg) is None
     assert cfg.trainer.micro_batch_size is None and capsys.readouterr().out == ""
     # What the launcher imports for the estimate costs no jax import (a launch's start-up).
     code = ("import sys\n"
             "from splitrl_app.planning.estimate import plan_launch, host_memory_bytes\n"
-            "from splitrl_app.oom import OomWitness\n"
+            "from splitrl_app.launch.oom import OomWitness\n"
             "print('jax' in sys.modules)\n")
     assert python_prints(code) == ["False"]
 
@@ -90,13 +91,13 @@ def test_a_launch_over_the_memory_stops_before_any_service_starts(arith_model, t
                                                                    capsys, monkeypatch):
     # A host with less memory than the demo's processes need (this one cannot be shrunk).
     monkeypatch.setattr(estimate, "host_memory_bytes", lambda: GIB)
-    assert launcher.main(config(arith_model, tmp_path)) == 2
+    assert launch(config(arith_model, tmp_path)) == 2
     err = capsys.readouterr().err
     assert "splitrl up: out of memory: this launch would need about " in err
     assert not (tmp_path / "run" / "logs").exists()
 
 
-def _killed_child(up: launcher.Launcher, name: str) -> subprocess.Popen:
+def _killed_child(up: supervisor.Launcher, name: str) -> subprocess.Popen:
     """A process of the launch (a child that would run for minutes), killed with SIGKILL."""
     (up.log_dir / f"{name}.log").write_text('{"level": "info", "msg": "step"}\n')
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -108,7 +109,7 @@ def _killed_child(up: launcher.Launcher, name: str) -> subprocess.Popen:
 
 @pytest.fixture
 def up(arith_model, tmp_path):
-    up = launcher.Launcher(config(arith_model, tmp_path))
+    up = supervisor.Launcher(config(arith_model, tmp_path))
     yield up
     up.stop()
 

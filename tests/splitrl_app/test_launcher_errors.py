@@ -14,13 +14,12 @@ import pytest
 
 from splitrl.config import load_config
 from splitrl.v1 import trainer_pb2
-from splitrl_app import launcher
-from splitrl_app.service_logs import LogFollower, error_lines
-from tests.fresh_python import python_prints
+from splitrl_app.launch import console, demo, preflight, up
+from splitrl_app.launch.service_logs import LogFollower, error_lines
 
 
 def config(arith_model, run_dir, *overrides):
-    return load_config(launcher.demo_config_path(), [
+    return load_config(demo.demo_config_path(), [
         f"model.path={arith_model}", f"trainer.run_dir={run_dir}", *overrides])
 
 
@@ -77,7 +76,7 @@ def test_the_bar_counts_the_trainers_samplers_ready_of_known():
     own processes; both numbers are the trainer's now."""
     status = trainer_pb2.StatusReply(samplers=[trainer_pb2.SamplerStatus(healthy=h)
                                                for h in (True, True, False)])
-    assert launcher.sampler_count(status) == "2/3"
+    assert console.sampler_count(status) == "2/3"
 
 
 def test_the_follower_reports_each_new_error_line_once(tmp_path):
@@ -114,7 +113,7 @@ def test_bad_data_fails_before_any_service_starts(arith_model, tmp_path, capsys,
         (data / f"{split}.jsonl").write_text(jsonl(*rows))
     cfg = config(arith_model, tmp_path / "run", *(o.format(data=data) for o in overrides))
     start = time.monotonic()
-    assert launcher.main(cfg) == 2
+    assert up.main(cfg) == 2
     assert time.monotonic() - start < 60  # no service was started or waited on
     err = capsys.readouterr().err
     assert "splitrl up: the data cannot be used" in err and fragment in err
@@ -127,16 +126,15 @@ def test_a_model_path_without_a_model_fails_before_any_service_starts(arith_mode
     empty.mkdir()
     for path, fragment in [(tmp_path / "nope", "no such directory"),
                            (empty, "has no config.json, no weights")]:
-        assert launcher.main(config(arith_model, tmp_path / "run", f"model.path={path}")) == 2
+        assert up.main(config(arith_model, tmp_path / "run", f"model.path={path}")) == 2
         err = capsys.readouterr().err
         assert "splitrl up: the model cannot be used: model " in err and str(path) in err
         assert fragment in err
     assert not (tmp_path / "run" / "logs").exists()
 
 
-def test_a_length_check_that_passed_is_remembered_and_other_data_is_checked_again(
-        arith_model, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("SPLITRL_CACHE_DIR", str(tmp_path / "cache"))
+def test_the_length_check_reports_long_prompts_and_follows_the_policy(arith_model, tmp_path,
+                                                                     capsys):
     data = tmp_path / "data"
     data.mkdir()
     rows = [{"question": "1+2=", "answer": "3"}, {"question": "1+" * 20 + "1=", "answer": "21"}]
@@ -144,23 +142,13 @@ def test_a_length_check_that_passed_is_remembered_and_other_data_is_checked_agai
     (data / "test.jsonl").write_text(jsonl(rows[0]))
     overrides = ["trainer.data.task=files", f"trainer.data.path={data}",
                  "trainer.data.long_prompt_policy=drop"]
-    assert launcher.check_data(config(arith_model, tmp_path / "run", *overrides)) is None
-    said = capsys.readouterr().out
-    assert "1 of 2 train prompts are longer than 30 tokens" in said
-    # Another launch on the same data and tokenizer says the same without loading a tokenizer.
-    launch = [f"model.path={arith_model}", *overrides]
-    code = ("import sys\n"
-            "from splitrl.config import load_config\n"
-            "from splitrl_app import launcher\n"
-            f"cfg = load_config(launcher.demo_config_path(), {launch!r})\n"
-            "assert launcher.check_data(cfg) is None\n"
-            "print('transformers' in sys.modules)\n")
-    assert python_prints(code) == [said.strip(), "False"]
-    # Other rows are checked again: the error policy refuses the long one.
+    assert preflight.check_data(config(arith_model, tmp_path / "run", *overrides)) is None
+    assert "1 of 2 train prompts are longer than 30 tokens" in capsys.readouterr().out
+    # The error policy refuses the long one before any service starts.
     rows.append({"question": "2+2=", "answer": "4"})
     (data / "train.jsonl").write_text(jsonl(*rows))
     error = ["trainer.data.long_prompt_policy=error"]
-    problem = launcher.check_data(config(arith_model, tmp_path / "run", *overrides, *error))
+    problem = preflight.check_data(config(arith_model, tmp_path / "run", *overrides, *error))
     assert "1 of 3 train prompts are longer than 30 tokens" in problem
 
 
@@ -178,7 +166,7 @@ def test_a_typo_in_a_reward_module_is_on_the_console_before_any_step(arith_model
     cfg = config(arith_model, run_dir, "reward.functions=[{name: 'my_rewardz:think'}]",
                  "reward.accuracy_function=null")
     for attempt in (1, 2):
-        assert launcher.main(cfg) != 0
+        assert up.main(cfg) != 0
         captured = capsys.readouterr()
         assert "reward exited with code 2" in captured.err
         assert captured.err.count("cannot import module 'my_rewardz': ModuleNotFoundError") \
@@ -194,9 +182,9 @@ LAUNCHER_THEN_SLEEP = """
 import sys, time
 from splitrl.config import load_config
 from splitrl.v1 import trainer_pb2
-from splitrl_app import launcher
-cfg = load_config(launcher.demo_config_path(), sys.argv[1:])
-up = launcher.Launcher(cfg)
+from splitrl_app.launch import demo, supervisor
+cfg = load_config(demo.demo_config_path(), sys.argv[1:])
+up = supervisor.Launcher(cfg)
 up.start("reward", "reward", [])
 up.wait_healthy("reward", up.reward_address)
 print(up.procs["reward"].pid, flush=True)
@@ -232,7 +220,7 @@ def test_services_stop_when_their_launcher_is_killed(arith_model, tmp_path):
 
 def test_the_phase_lines_name_the_step_a_resumed_run_starts_at():
     said = []
-    phases = launcher.PhaseReporter(said.append)
+    phases = console.PhaseReporter(said.append)
     for state, step in [("starting", 50), ("evaluating", 50), ("training", 52),
                         ("evaluating", 60), ("training", 60)]:
         phases.observe(state, step)  # polled once a second: steps 50 and 51 ended unseen

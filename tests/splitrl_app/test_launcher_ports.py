@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from splitrl.serving import check_health, start_server
-from splitrl_app.launcher import free_port, release_port
+from splitrl_app.launch.ports import free_port, release_port
 
 
 def test_a_picked_port_is_held_for_its_service_until_released():

@@ -16,7 +16,7 @@ import pytest
 from multihost_worker import CURSOR, DEVICES, STEPS, batches, learner_on
 from trainer_helpers import mesh_of, rollout_batch
 
-from splitrl_app.launcher import free_port
+from splitrl_app.launch.ports import free_port
 from trainer_service.learning.multihost import KEY_PREFIX, HostGroup, Message, gather_params
 
 HERE = Path(__file__).resolve().parent
@@ -236,7 +236,7 @@ def test_two_process_trainer_runs_pushes_checkpoints_and_resumes(tmp_path):
     from splitrl.init_model import init_model
     from splitrl.serving import check_health, make_channel
     from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
-    from splitrl_app.launcher import Launcher
+    from splitrl_app.launch.supervisor import Launcher
     from tests.e2e.harness import log_records, run_config, trained_records
 
     model = init_model(tmp_path / "tiny-arith", family="qwen2", preset="tiny",

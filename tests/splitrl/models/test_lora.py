@@ -161,7 +161,7 @@ def test_the_model_lora_section_starts_fresh_or_from_a_peft_adapter(checkpoint, 
     from jax.sharding import Mesh
 
     from splitrl.config import ConfigError, LoraConfig, load_config
-    from splitrl_app.launcher import demo_config_path
+    from splitrl_app.launch.demo import demo_config_path
     from trainer_service.learning.learner import Learner
 
     model = from_pretrained(checkpoint)
