@@ -16,7 +16,7 @@ export JAX_PLATFORMS ?= cpu
 
 PROTOS := $(wildcard protos/splitrl/v1/*.proto)
 
-.PHONY: demo test test-fast lint protos bench clean compose-smoke
+.PHONY: demo demo-tools test test-fast lint protos bench clean compose-smoke
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 demo: $(DEMO_STAMP)
 	$(BIN)/splitrl demo
+
+# A tiny model learns to call a tool from scratch (docs/environments.md).
+demo-tools: $(DEMO_STAMP)
+	$(BIN)/splitrl demo --config splitrl/configs/demo-tools.yaml
 
 # Two pytest-xdist workers, a test module at a time each (a module's tests stay together, in
 # file order: module fixtures start service processes, and some tests build on the previous

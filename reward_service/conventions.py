@@ -104,14 +104,22 @@ def _per_completion_columns(items: Sequence[dict]) -> dict[str, list]:
     return out
 
 
+def _completion(item: dict, chat: bool) -> Any:
+    """TRL's ``completions`` entry: an episode's conversation (assistant turns, tool calls and
+    results) as its message list, else the completion as one assistant message for
+    conversational data, else the completion's text."""
+    if item.get("completion_messages"):
+        return item["completion_messages"]
+    return [{"role": "assistant", "content": item["completion"]}] if chat else item["completion"]
+
+
 def _trl_keywords(items: Sequence[dict]) -> dict[str, Any]:
     chat = _chat(items)
     ids = [list(item.get("completion_ids") or ()) for item in items]
     kwargs: dict[str, Any] = _per_completion_columns(items)
     kwargs.update(
         prompts=[item["prompt_messages"] if chat else item["prompt"] for item in items],
-        completions=[[{"role": "assistant", "content": item["completion"]}] if chat
-                     else item["completion"] for item in items],
+        completions=[_completion(item, chat) for item in items],
         completion_ids=ids,
         completions_ids=ids,
         trainer_state=TrainerState(int(items[0].get("weight_version", 0)) if items else 0),

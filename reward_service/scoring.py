@@ -55,6 +55,9 @@ class Item:
     group_id: str = ""  # items of one prompt: scored in one call per function
     completion_ids: list[int] = field(default_factory=list)
     weight_version: int = 0
+    # A multi-turn episode's conversation after the prompt (docs/environments.md); then
+    # `completion` is its final assistant turn.
+    completion_messages: list[dict[str, Any]] | None = None
 
     def payload(self) -> dict:
         return {"prompt": self.prompt, "completion": self.completion,
@@ -62,7 +65,8 @@ class Item:
                 "truncated": self.truncated, "metadata": dict(self.metadata),
                 "columns": dict(self.columns), "prompt_messages": self.prompt_messages,
                 "completion_ids": list(self.completion_ids),
-                "weight_version": self.weight_version}
+                "weight_version": self.weight_version,
+                "completion_messages": self.completion_messages}
 
 
 @dataclass

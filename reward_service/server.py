@@ -13,6 +13,7 @@ replacement characters.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -52,11 +53,30 @@ def item_from_proto(index: int, msg: reward_pb2.ScoreItem) -> Item:
     except ValueError as e:
         raise RequestError(str(e)) from None
     messages = [{"role": m.role, "content": m.content} for m in msg.prompt_messages] or None
+    try:
+        conversation = [_message(m) for m in msg.completion_messages] or None
+    except ValueError as e:
+        raise RequestError(f"items[{index}].completion_messages: {e}") from None
     return Item(prompt=msg.prompt, completion=completion, reference=msg.reference,
                 completion_tokens=msg.completion_tokens, truncated=msg.truncated,
                 metadata=dict(msg.metadata), item_id=msg.item_id, columns=columns,
                 prompt_messages=messages, group_id=msg.group_id,
-                completion_ids=list(msg.completion_ids), weight_version=msg.weight_version)
+                completion_ids=list(msg.completion_ids), weight_version=msg.weight_version,
+                completion_messages=conversation)
+
+
+def _message(m) -> dict:
+    """A ChatMessage of an episode's conversation as the message dict TRL passes: role and
+    content, a tool result's ``name``, an assistant turn's ``tool_calls``."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls_json:
+        try:
+            out["tool_calls"] = json.loads(m.tool_calls_json)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tool_calls_json is not valid JSON: {e}") from None
+    return out
 
 
 def check_groups(items: list[Item]) -> None:

@@ -49,3 +49,16 @@ REQUESTS = Counter("splitrl_sampler_requests_total", "RPCs by method and status.
 PUSH_RELAYED_BYTES = Counter(
     "splitrl_sampler_push_relayed_bytes_total",
     "Weight push bytes forwarded to the next sampler of a relay chain.")
+TOOL_CALLS = Counter(
+    "splitrl_sampler_tool_calls_total",
+    "Environment tool calls by tool and status (ok, malformed, unknown, error, timeout).",
+    ["tool", "status"])
+TOOL_SECONDS = Histogram(
+    "splitrl_sampler_tool_seconds", "Seconds one environment tool call took.",
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+OBSERVATION_TOKENS = Counter(
+    "splitrl_sampler_observation_tokens_total",
+    "Observation tokens (rendered tool results) appended to trajectories.")
+EPISODE_TURNS = Histogram(
+    "splitrl_sampler_episode_turns", "Model turns per finished episode.",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))

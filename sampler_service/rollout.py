@@ -19,6 +19,7 @@ alone in the batch, with no weight update while it generates, so it replays bit 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import queue
@@ -32,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sampler_service import metrics
+from sampler_service.episodes import Trajectory, tool_calls_json
 from sampler_service.requests import EngineClosed, FinishedGroup, GenerationRequest
 from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
@@ -44,6 +46,7 @@ from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
 log = logging.getLogger(__name__)
 
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
+ENVIRONMENT_REWARD = "environment"  # the name of an environment's own reward
 MAX_TEMPERATURE = 100.0
 
 
@@ -141,8 +144,11 @@ class RolloutWorker:
     """Validation, prompt encoding, engine calls and scoring for the sampler servicer."""
 
     def __init__(self, engine, weights: WeightStore, *, tokenizer, sampling: SamplingConfig,
-                 reward: RewardClient | None, sampler_id: str):
+                 reward: RewardClient | None, sampler_id: str, episodes=None):
         self.engine = engine
+        # sampler_service.episodes.Episodes when an environment is configured: a Rollout's
+        # completions are then multi-turn episodes (docs/environments.md).
+        self.episodes = episodes
         self.weights = weights
         self.tokenizer = tokenizer
         self.sampling = sampling
@@ -251,7 +257,8 @@ class RolloutWorker:
                                    " (refused before tokenizing: no token of this tokenizer "
                                    f"covers more than {self._longest_token} characters)")
             try:
-                text = render_prompt(self.tokenizer, text_in, messages)
+                tools = self.episodes.tools if self.episodes is not None else None
+                text = render_prompt(self.tokenizer, text_in, messages, tools=tools)
                 ids = encode_rendered(self.tokenizer, text)  # rendered once, not twice
             except ValueError as e:
                 raise RequestError(_INVALID, f"{where}: {e}") from None
@@ -378,8 +385,11 @@ class RolloutWorker:
                                "this sampler has no tokenizer (none in model.path); Rollout "
                                "needs one to decode completions for the reward service")
         events: queue.SimpleQueue = queue.SimpleQueue()
-        handle = self.submit(prompts, options, group, exclusive=request.reproducible,
-                             sink=events)
+        if self.episodes is not None:
+            handle = self._start_episodes(request, prompts, options, group, events)
+        else:
+            handle = self.submit(prompts, options, group, exclusive=request.reproducible,
+                                 sink=events)
         # Asked while the request generates; a dead or not-serving reward service still fails
         # the request (UNAVAILABLE) and cancels its generation.
         reachable = self._scorer.submit(self.reward.check_reachable)
@@ -390,6 +400,45 @@ class RolloutWorker:
             yield from self._scored_as_finished(request, prompts, events)
         finally:
             handle.cancel()
+
+    def _start_episodes(self, request, prompts: list[PreparedPrompt], options: SamplingOptions,
+                        group: int, events: queue.SimpleQueue):
+        """Start the environments of the request's episodes and run them (``prompts`` is
+        updated in place when an environment's reset gives text for the prompt)."""
+        from splitrl.reward_protocol import decode_columns
+
+        keys = self.episodes.new_keys(len(prompts), group)
+        columns = [decode_columns(p.columns_json) for p in prompts]
+        texts, failed = self.episodes.reset(keys, columns)
+        if any(texts):
+            prompts[:] = self._with_reset_text(request.prompts, prompts, texts, options)
+        return self.episodes.run([p.token_ids for p in prompts], [p.seed for p in prompts],
+                                 keys, options, group, exclusive=request.reproducible,
+                                 sink=events, failed=failed)
+
+    def _with_reset_text(self, messages: Sequence[common_pb2.Prompt],
+                         prompts: list[PreparedPrompt], texts: list[str],
+                         options: SamplingOptions) -> list[PreparedPrompt]:
+        """The prompts with each environment's reset text appended (to the text, or to the
+        last chat message), prepared again (their seeds kept)."""
+        out = []
+        for i, (message, prompt, text) in enumerate(zip(messages, prompts, texts, strict=True)):
+            if not text:
+                out.append(prompt)
+                continue
+            changed = common_pb2.Prompt()
+            changed.CopyFrom(message)
+            if changed.messages:
+                changed.messages[-1].content += "\n\n" + text
+            elif changed.text:
+                changed.text += "\n\n" + text
+            else:
+                raise RequestError(_INVALID, f"prompts[{i}]: the environment's reset returned "
+                                   "text for a prompt sent as token ids; send text or messages")
+            again = self._prepare_one(changed, f"prompts[{i}]", str(i), options.max_new_tokens)
+            again.seed = prompt.seed
+            out.append(again)
+        return out
 
     def _scored_as_finished(self, request, prompts: list[PreparedPrompt],
                             events: queue.SimpleQueue) -> Iterator[sampler_pb2.ScoredGroup]:
@@ -425,20 +474,17 @@ class RolloutWorker:
             prompt = prompts[group.index]
             done = []
             for j, seq in enumerate(group.sequences):
-                seq = self._cut_at_stop_string(seq)
-                text, raw = self._decode(seq.token_ids)
-                done.append(common_pb2.Completion(
-                    token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,
-                    finish_reason=seq.finish_reason, weight_versions=seq.weight_versions))
-                items.append(reward_pb2.ScoreItem(
-                    item_id=f"{group.index}:{j}", prompt=prompt.text, completion=text,
-                    reference=prompt.reference, completion_tokens=len(seq.token_ids),
-                    metadata=prompt.metadata, truncated=seq.finish_reason == "length",
-                    completion_raw=raw or b"",
+                completion, item = (self._episode_item(seq) if isinstance(seq, Trajectory)
+                                    else self._completion_item(seq))
+                item.MergeFrom(reward_pb2.ScoreItem(
+                    item_id=f"{group.index}:{j}", prompt=prompt.text,
+                    reference=prompt.reference, metadata=prompt.metadata,
                     # One call per function scores the prompt's group, with its columns.
                     group_id=str(group.index), columns_json=prompt.columns_json,
-                    prompt_messages=prompt.messages or (), completion_ids=seq.token_ids,
+                    prompt_messages=prompt.messages or (),
                     weight_version=seq.weight_versions[0]))
+                done.append(completion)
+                items.append(item)
             completions.append(done)
         start = time.perf_counter()
         scores = self.reward.score(items, request.reward_functions)
@@ -452,6 +498,10 @@ class RolloutWorker:
                 completion.total_reward = s.total
                 completion.reward_reasons.update(dict(s.reasons))
                 completion.reward_outcomes.update(dict(s.outcomes))
+                reward = getattr(group.sequences[j], "env_reward", None)
+                if reward is not None:  # the environment's own, weighted in
+                    completion.rewards[ENVIRONMENT_REWARD] = reward
+                    completion.total_reward += self.episodes.cfg.reward_weight * reward
             out.append(sampler_pb2.ScoredGroup(
                 request_id=request.request_id, prompt_id=prompt.prompt_id,
                 prompt_token_ids=prompt.token_ids, completions=done,
@@ -461,6 +511,46 @@ class RolloutWorker:
                 timings=common_pb2.Timings(queue_s=group.queue_s, generate_s=group.generate_s,
                                            score_s=score_s)))
         return out
+
+    def _completion_item(self, seq) -> tuple[common_pb2.Completion, reward_pb2.ScoreItem]:
+        """A single-turn completion and what the reward functions get of it."""
+        seq = self._cut_at_stop_string(seq)
+        text, raw = self._decode(seq.token_ids)
+        completion = common_pb2.Completion(
+            token_ids=seq.token_ids, logprobs=seq.logprobs, text=text,
+            finish_reason=seq.finish_reason, weight_versions=seq.weight_versions)
+        item = reward_pb2.ScoreItem(
+            completion=text, completion_tokens=len(seq.token_ids),
+            truncated=seq.finish_reason == "length", completion_raw=raw or b"",
+            completion_ids=seq.token_ids)
+        return completion, item
+
+    def _episode_item(self, seq: Trajectory) -> tuple[common_pb2.Completion,
+                                                      reward_pb2.ScoreItem]:
+        """An episode as a completion (all its ids, its loss mask, turns and conversation),
+        and what the reward functions get: the final turn's text as ``completion``, the
+        conversation as ``completion_messages``."""
+        messages = [common_pb2.ChatMessage(role=m["role"], content=m["content"],
+                                           name=m.get("name", ""),
+                                           tool_calls_json=tool_calls_json(m))
+                    for m in seq.messages]
+        turns = [common_pb2.Turn(
+            start=t.start, generated_tokens=t.generated, observation_tokens=t.observation,
+            weight_versions=t.weight_versions,
+            tool_calls=[common_pb2.ToolCallRecord(
+                name=c["name"], arguments_json=json.dumps(c["arguments"]), status=c["status"],
+                seconds=c["seconds"]) for c in t.tool_calls]) for t in seq.turns]
+        completion = common_pb2.Completion(
+            token_ids=seq.token_ids, logprobs=seq.logprobs, text=self._decode(seq.token_ids)[0],
+            finish_reason=seq.finish_reason, weight_versions=seq.weight_versions,
+            model_token_mask=seq.model_token_mask, turns=turns, messages=messages,
+            episode_end=seq.episode_end)
+        answer, raw = self._decode(seq.answer_ids)
+        item = reward_pb2.ScoreItem(
+            completion=answer, completion_raw=raw or b"",
+            completion_tokens=sum(seq.model_token_mask), truncated=seq.truncated,
+            completion_ids=seq.answer_ids, completion_messages=messages)
+        return completion, item
 
     # -- text -----------------------------------------------------------------------------------
 
@@ -482,6 +572,8 @@ class RolloutWorker:
 
     def close(self) -> None:
         self._scorer.shutdown(wait=False, cancel_futures=True)
+        if self.episodes is not None:
+            self.episodes.close()
         if self.reward is not None:
             self.reward.close()
 

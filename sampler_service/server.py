@@ -288,8 +288,18 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     reward = (RewardClient(config.services.reward_address, sampler.reward_timeout_s,
                            auth=config.services.auth)
               if config.services.reward_address else None)
+    episodes = None
+    if config.environment is not None:
+        from sampler_service.episodes import Episodes
+
+        if tokenizer is None:
+            raise ValueError("environment: multi-turn episodes need the model's tokenizer and "
+                             f"chat template; {config.model.path} has no tokenizer")
+        episodes = Episodes(config.environment, tokenizer, engine, sampler.max_sequence_length,
+                            stop_token_ids=[*engine.eos_token_ids,
+                                            *config.sampling.stop_token_ids])
     worker = RolloutWorker(engine, weights, tokenizer=tokenizer, sampling=config.sampling,
-                           reward=reward, sampler_id=sampler.sampler_id)
+                           reward=reward, sampler_id=sampler.sampler_id, episodes=episodes)
     servicer = SamplerServicer(config, weights, worker)
     max_message = max(DEFAULT_MAX_MESSAGE_BYTES, sampler.max_chunk_bytes + (1 << 20))
     server = start_server(

@@ -10,7 +10,8 @@ naming every differing key (:func:`differences`), before it gets a push or a pro
 
 The keys: the config fields the sampler itself enforces or falls back on (``trainer.steps``:
 the highest push version it accepts; ``sampling.stop_token_ids``: its stop tokens when a
-request names none; ``sampling.stop_strings``: where it ends a completion), the model's
+request names none; ``sampling.stop_strings``: where it ends a completion; ``environment``:
+the multi-turn episodes it runs), the model's
 architecture and every ``config.json`` field that shapes it (``model.vocab_size``,
 ``model.num_hidden_layers``...; not its dtype: a sampler may serve bf16 from f32 weights) and
 ``tokenizer``, a fingerprint of the tokenizer as loaded (vocabulary, special tokens, chat
@@ -56,6 +57,9 @@ def agreed_settings(config: Any, model_config: Any, tokenizer: Any) -> dict[str,
         "sampling.stop_token_ids": json.dumps(list(config.sampling.stop_token_ids)),
         "sampling.stop_strings": json.dumps(list(config.sampling.stop_strings)),
         "tokenizer": tokenizer_identity(tokenizer),
+        # The sampler runs the episodes (docs/environments.md): what it runs is what trains.
+        "environment": json.dumps(None if config.environment is None
+                                  else config.environment.model_dump(), sort_keys=True),
     }
     for key, value in sorted(model_config.to_hf_dict().items()):
         if key not in _NOT_MODEL_SHAPE:

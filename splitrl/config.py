@@ -254,6 +254,45 @@ class RewardConfig(Section):
                                   f"stop), got {value!r}")
 
 
+class EnvironmentConfig(Section):
+    """Multi-turn, tool-using episodes (docs/environments.md): the samplers run each completion
+    as turns of the model and calls of the environment's tools."""
+
+    name: str
+    """A built-in environment (splitrl list environments) or module:Class (TRL's
+    environment_factory convention: public methods are the tools)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the environment's constructor."""
+    tool_format: Literal["auto", "qwen", "llama3", "tiny"] = "auto"
+    """How the model writes a tool call; auto: from the chat template (qwen if it has
+    <tool_call>, llama3 if it has Llama's ipython role, else tiny: `!name args`)."""
+    max_turns: PositiveInt = 4
+    """The most model turns of an episode."""
+    max_tool_calls: PositiveInt = 8
+    """The most tool calls of an episode, over all its turns."""
+    max_total_tokens: PositiveInt | None = None
+    """The most tokens after the prompt (generated and observation tokens together); null: what
+    the sampler's max_sequence_length leaves after the prompt."""
+    truncation: Literal["score", "mask"] = "score"
+    """An episode that hits a limit: score it as it stands (score), or also mask all its
+    tokens out of the loss (mask, DAPO's overlong filtering for episodes)."""
+    workers: PositiveInt = 2
+    """Tool worker processes per sampler (an episode's calls run on one; a worker runs one
+    call at a time)."""
+    tool_timeout_s: PositiveFloat = 10.0
+    """Time limit of one tool call (and of an episode's reset), in seconds; an overrun becomes
+    a time-out observation."""
+    kill_grace_s: PositiveFloat = 1.0
+    """A worker whose call overruns its time limit by this much is killed and replaced."""
+    worker_memory_mb: PositiveInt | None = 2048
+    """Address-space limit per tool worker (MiB; null: unlimited)."""
+    max_observation_chars: PositiveInt = 4096
+    """Longer tool results are cut to this many characters."""
+    reward_weight: float = 1.0
+    """The weight of the environment's own reward (its `reward` attribute at the end of an
+    episode, reported as the reward "environment") in a completion's total."""
+
+
 class AlgorithmConfig(Section):
     """The RL objective. Every GRPO-family variant is a combination of these switches; a
     ``recipe`` sets a paper's combination (``splitrl/recipes.py``, docs/algorithms.md), and any
@@ -693,6 +732,8 @@ class Config(Section):
     """The samplers: batch, sequence length, mesh, KV cache, weight intake."""
     services: ServicesConfig = Field(default_factory=ServicesConfig)
     """Addresses, membership and security of the services."""
+    environment: EnvironmentConfig | None = None
+    """Multi-turn tool use (null: one completion per prompt)."""
 
     def model_post_init(self, _context) -> None:
         if self.trainer.rollout_timeout_s <= self.sampler.reward_timeout_s:

@@ -6,10 +6,12 @@ trained with `tokenizers` (see `splitrl.tokenizer`), loadable by transformers an
 `splitrl.models.from_pretrained` alike.
 
     init_model("models/tiny-arith", vocab="arithmetic")   # ~16-token character vocabulary
+    init_model("models/tiny-tools", vocab="lookup")       # the tool task's, its chat template
     init_model("models/tiny", preset="tiny")               # 512-token BPE, arithmetic + GSM8K
 
 Vocabularies: "arithmetic" is the character vocabulary of the arithmetic task (what a random
-model can learn from, see ENVIRONMENT.md); "default" a byte-level BPE trained on the arithmetic
+model can learn from, see ENVIRONMENT.md), "lookup" that of the tool task, with its tiny chat
+template (splitrl.tasks.lookup); "default" a byte-level BPE trained on the arithmetic
 task's text plus the GSM8K train questions; a path to a text file trains the BPE on its lines;
 a path to a directory with a tokenizer.json reuses that tokenizer.
 """
@@ -34,6 +36,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 INFO_FILE = "splitrl_init.json"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Tasks whose text a character vocabulary is made of (vocab=NAME).
+CHAR_VOCABULARIES = ("arithmetic", "lookup")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +155,13 @@ def _make_tokenizer(tmp: Path, vocab: str, bpe_size: int, *, vocab_size_given: b
     from splitrl.tasks import default_data_dir, get_task
 
     arithmetic = get_task("arithmetic")
-    if vocab == "arithmetic":
+    if vocab in CHAR_VOCABULARIES:
         if vocab_size_given:
-            raise ValueError("vocab_size does not apply to vocab='arithmetic' (a character "
+            raise ValueError(f"vocab_size does not apply to vocab={vocab!r} (a character "
                              "vocabulary of the task's text)")
-        return tk.train_char_tokenizer(arithmetic.corpus(), tmp)
+        task = get_task(vocab)
+        return tk.train_char_tokenizer(
+            task.corpus(), tmp, chat_template=getattr(task, "chat_template", tk.CHAT_TEMPLATE))
     if vocab == "default":
         root = Path(data_dir) if data_dir is not None else default_data_dir()
         gsm8k = get_task("gsm8k", path=None if root is None else root / "gsm8k")
@@ -174,5 +180,5 @@ def _make_tokenizer(tmp: Path, vocab: str, bpe_size: int, *, vocab_size_given: b
     if path.is_file():
         lines = path.read_text(encoding="utf-8").splitlines()
         return tk.train_bpe_tokenizer(lines, tmp, vocab_size=bpe_size)
-    raise ValueError(f"vocab: expected 'default', 'arithmetic', a text file or a tokenizer "
-                     f"directory, got {vocab!r} (no such file)")
+    raise ValueError(f"vocab: expected 'default', 'arithmetic', 'lookup', a text file or a "
+                     f"tokenizer directory, got {vocab!r} (no such file)")

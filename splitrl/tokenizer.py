@@ -91,8 +91,10 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *,
     return _save(tok, out_dir, unk_token=None)
 
 
-def train_char_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike) -> Path:
-    """Saves a character vocabulary of the characters in `texts` to `out_dir`.
+def train_char_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *,
+                         chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Saves a character vocabulary of the characters in `texts` to `out_dir` (with
+    `chat_template`, ChatML by default).
 
     Ids: the special tokens, then `<unk>`, then the characters (as byte-level symbols, so a
     space is 'Ġ'; a non-ASCII character is several byte symbols) in sorted order. It is a BPE
@@ -105,10 +107,11 @@ def train_char_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike) -> Pa
     vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, UNK_TOKEN, *symbols))}
     tok = _byte_level_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN)))
     tok.add_special_tokens([*SPECIAL_TOKENS, UNK_TOKEN])
-    return _save(tok, out_dir, unk_token=UNK_TOKEN)
+    return _save(tok, out_dir, unk_token=UNK_TOKEN, chat_template=chat_template)
 
 
-def _save(tok: Tokenizer, out_dir: str | os.PathLike, *, unk_token: str | None) -> Path:
+def _save(tok: Tokenizer, out_dir: str | os.PathLike, *, unk_token: str | None,
+          chat_template: str = CHAT_TEMPLATE) -> Path:
     """Writes tokenizer.json and a tokenizer_config.json (specials, chat template)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +130,7 @@ def _save(tok: Tokenizer, out_dir: str | os.PathLike, *, unk_token: str | None) 
                                       "rstrip": False, "single_word": False, "special": True}
             for t in specials
         },
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "model_max_length": DEFAULT_MODEL_MAX_LENGTH,
         "padding_side": "left",
@@ -268,17 +271,20 @@ def build_messages(text: str | None = None, messages: Sequence[dict] | None = No
 
 
 def render_prompt(tokenizer, text: str | None = None, messages: Sequence[dict] | None = None,
-                  system_prompt: str | None = None, use_chat_template: bool = False) -> str:
+                  system_prompt: str | None = None, use_chat_template: bool = False,
+                  tools: Sequence[dict] | None = None) -> str:
     """The prompt as the string the model sees.
 
     With the chat template (or when `messages` are given) it is rendered with a generation
-    prompt. Plain text with a `system_prompt` becomes `system_prompt + "\\n\\n" + text`.
+    prompt, and with `tools` (JSON schemas) for templates that describe them. Plain text with a
+    `system_prompt` becomes `system_prompt + "\\n\\n" + text`.
     """
     if messages is not None or use_chat_template:
         if tokenizer.chat_template is None:
             raise ValueError("the tokenizer has no chat_template; send plain text instead")
         msgs = build_messages(text, messages, system_prompt)
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(msgs, tools=list(tools) if tools else None,
+                                             tokenize=False, add_generation_prompt=True)
     if text is None:
         raise ValueError("a prompt needs text or messages, got neither")
     return text if system_prompt is None else f"{system_prompt}\n\n{text}"

@@ -187,8 +187,46 @@ def _list_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_environments(args: argparse.Namespace) -> int:
+    import textwrap
+
+    from splitrl.environments import ENVIRONMENTS, describe
+
+    def show(name: str, options: dict) -> None:
+        info = describe(name, options)
+        print()
+        print(textwrap.fill(f"{name}: {info.description}", 100, initial_indent="  ",
+                            subsequent_indent="    "))
+        for tool in info.tools:
+            fn = tool["function"]
+            params = ", ".join(fn["parameters"].get("properties", {}))
+            print(textwrap.fill(f"{fn['name']}({params}): {fn.get('description', '')}", 100,
+                                initial_indent="    tool ", subsequent_indent=" " * 9))
+
+    print("Built-in environments (environment.name; options go in environment.options):")
+    for name in sorted(ENVIRONMENTS):
+        show(name, {})
+    print("\nYour own: name: 'module:Class', written as TRL's environment_factory takes it: "
+          "reset(**columns),\npublic methods with docstrings are the tools. See "
+          "docs/environments.md.")
+    if not args.config and not args.overrides:
+        return 0
+    env = _config(args).environment
+    if env is None:
+        print("\nConfigured: none (environment is not set: one completion per prompt)")
+        return 0
+    print("\nConfigured (environment):")
+    try:
+        show(env.name, env.options)
+    except (ValueError, ImportError, TypeError) as e:
+        print(f"  cannot load {env.name!r}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _list(args: argparse.Namespace) -> int:
-    return _list_rewards(args) if args.what == "rewards" else _list_tasks(args)
+    return {"rewards": _list_rewards, "tasks": _list_tasks,
+            "environments": _list_environments}[args.what](args)
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -265,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--vocab",
         default="default",
-        help="tokenizer training text: default (arithmetic + GSM8K), arithmetic, or a file",
+        help="tokenizer training text: default (arithmetic + GSM8K), arithmetic, lookup (the "
+             "tool task, with its tiny chat template), or a file",
     )
     p.add_argument("--vocab-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -291,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_health)
 
     p = sub.add_parser("list", help="built-in reward functions (and, with --config, the "
-                       "configured ones and their calling style) or tasks")
-    p.add_argument("what", choices=["rewards", "tasks"])
+                       "configured ones and their calling style), tasks or environments")
+    p.add_argument("what", choices=["rewards", "tasks", "environments"])
     _add_config_args(p)
     p.set_defaults(func=_list)
 

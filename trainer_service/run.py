@@ -50,6 +50,7 @@ from trainer_service.learning.checkpoints import Checkpointer, SaveFailed
 from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
+from trainer_service.orchestration.episode_metrics import episode_metrics
 from trainer_service.orchestration.evaluation import (
     accuracy_function,
     collect_lane,
@@ -335,6 +336,7 @@ class TrainerRun:
         if self.accuracy_fn:
             out["accuracy/mean"] = float(np.mean([c.rewards.get(self.accuracy_fn, 0.0)
                                                   for g in groups for c in g.completions]))
+        out.update(episode_metrics([c for g in groups for c in g.completions]))
         return out
 
     def _write_metrics(self, record: dict) -> None:

@@ -9,6 +9,7 @@ convention, `api`); built-ins are registered by name in `ENVIRONMENTS`, user one
 ``module:Class``.
 """
 
+from splitrl.environments import builtin  # noqa: F401  (registers the built-ins)
 from splitrl.environments.api import (
     ENVIRONMENTS,
     EnvironmentInfo,

@@ -1,11 +1,12 @@
-"""Prompt tasks by name: `arithmetic` (synthetic), `gsm8k`, `math500`, `files` (any dataset).
+"""Prompt tasks by name: `arithmetic` and `lookup` (synthetic), `gsm8k`, `math500`, `files`
+(any dataset).
 
     task = get_task("gsm8k", instruction="boxed")
     rows = task.rows("test")          # [{prompt_id, prompt | messages, reference, columns}]
     task.reward_functions             # the reward config it is meant to be scored with
 """
 
-from splitrl.tasks import arithmetic, files, math_data  # noqa: F401  (registers the tasks)
+from splitrl.tasks import arithmetic, files, lookup, math_data  # noqa: F401  (registers them)
 from splitrl.tasks.arithmetic import ArithmeticTask
 from splitrl.tasks.base import (
     LazyRows,
@@ -19,6 +20,7 @@ from splitrl.tasks.base import (
     register_task,
 )
 from splitrl.tasks.files import FilesTask
+from splitrl.tasks.lookup import LookupTask
 from splitrl.tasks.math_data import GSM8KTask, Math500Task, parse_gsm8k_answer
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "FilesTask",
     "GSM8KTask",
     "LazyRows",
+    "LookupTask",
     "Math500Task",
     "Row",
     "Task",

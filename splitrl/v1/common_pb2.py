@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17splitrl/v1/common.proto\x12\nsplitrl.v1\"\xa3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0e\n\x06greedy\x18\x08 \x01(\x08\"\x95\x02\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.splitrl.v1.ChatMessage\x12\x11\n\treference\x18\x05 \x01(\t\x12\x32\n\x08metadata\x18\x06 \x03(\x0b\x32 .splitrl.v1.Prompt.MetadataEntry\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x14\n\x0c\x63olumns_json\x18\t \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xfb\x03\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x34\n\x07rewards\x18\x05 \x03(\x0b\x32#.splitrl.v1.Completion.RewardsEntry\x12\x14\n\x0ctotal_reward\x18\x06 \x01(\x02\x12\x41\n\x0ereward_reasons\x18\x07 \x03(\x0b\x32).splitrl.v1.Completion.RewardReasonsEntry\x12\x17\n\x0fweight_versions\x18\x08 \x03(\x03\x12\x43\n\x0freward_outcomes\x18\x0c \x03(\x0b\x32*.splitrl.v1.Completion.RewardOutcomesEntry\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a\x34\n\x12RewardReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aP\n\x13RewardOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0e\x32\x19.splitrl.v1.RewardOutcome:\x02\x38\x01\"?\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\x12\x0f\n\x07score_s\x18\x03 \x01(\x01*\x9c\x01\n\rRewardOutcome\x12\x19\n\x15REWARD_OUTCOME_SCORED\x10\x00\x12\x1b\n\x17REWARD_OUTCOME_NO_SCORE\x10\x01\x12\x18\n\x14REWARD_OUTCOME_ERROR\x10\x02\x12\x1d\n\x19REWARD_OUTCOME_NON_FINITE\x10\x03\x12\x1a\n\x16REWARD_OUTCOME_TIMEOUT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17splitrl/v1/common.proto\x12\nsplitrl.v1\"\xa3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x10\n\x08has_seed\x18\x07 \x01(\x08\x12\x0e\n\x06greedy\x18\x08 \x01(\x08\"\x95\x02\n\x06Prompt\x12\x11\n\tprompt_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08messages\x18\x04 \x03(\x0b\x32\x17.splitrl.v1.ChatMessage\x12\x11\n\treference\x18\x05 \x01(\t\x12\x32\n\x08metadata\x18\x06 \x03(\x0b\x32 .splitrl.v1.Prompt.MetadataEntry\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x14\n\x0c\x63olumns_json\x18\t \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"S\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x04 \x01(\t\"W\n\x0eToolCallRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x02 \x01(\t\x12\x0e\n\x06status\x18\x03 \x01(\t\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x94\x01\n\x04Turn\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x18\n\x10generated_tokens\x18\x02 \x01(\x05\x12\x1a\n\x12observation_tokens\x18\x03 \x01(\x05\x12\x17\n\x0fweight_versions\x18\x04 \x03(\x03\x12.\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1a.splitrl.v1.ToolCallRecord\"\xf6\x04\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x34\n\x07rewards\x18\x05 \x03(\x0b\x32#.splitrl.v1.Completion.RewardsEntry\x12\x14\n\x0ctotal_reward\x18\x06 \x01(\x02\x12\x41\n\x0ereward_reasons\x18\x07 \x03(\x0b\x32).splitrl.v1.Completion.RewardReasonsEntry\x12\x17\n\x0fweight_versions\x18\x08 \x03(\x03\x12\x43\n\x0freward_outcomes\x18\x0c \x03(\x0b\x32*.splitrl.v1.Completion.RewardOutcomesEntry\x12\x18\n\x10model_token_mask\x18\r \x03(\x08\x12\x1f\n\x05turns\x18\x0e \x03(\x0b\x32\x10.splitrl.v1.Turn\x12)\n\x08messages\x18\x0f \x03(\x0b\x32\x17.splitrl.v1.ChatMessage\x12\x13\n\x0b\x65pisode_end\x18\x10 \x01(\t\x1a.\n\x0cRewardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a\x34\n\x12RewardReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aP\n\x13RewardOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0e\x32\x19.splitrl.v1.RewardOutcome:\x02\x38\x01\"?\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x12\n\ngenerate_s\x18\x02 \x01(\x01\x12\x0f\n\x07score_s\x18\x03 \x01(\x01*\x9c\x01\n\rRewardOutcome\x12\x19\n\x15REWARD_OUTCOME_SCORED\x10\x00\x12\x1b\n\x17REWARD_OUTCOME_NO_SCORE\x10\x01\x12\x18\n\x14REWARD_OUTCOME_ERROR\x10\x02\x12\x1d\n\x19REWARD_OUTCOME_NON_FINITE\x10\x03\x12\x1a\n\x16REWARD_OUTCOME_TIMEOUT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,8 +39,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETION_REWARDREASONSENTRY']._serialized_options = b'8\001'
   _globals['_COMPLETION_REWARDOUTCOMESENTRY']._loaded_options = None
   _globals['_COMPLETION_REWARDOUTCOMESENTRY']._serialized_options = b'8\001'
-  _globals['_REWARDOUTCOME']._serialized_start=1107
-  _globals['_REWARDOUTCOME']._serialized_end=1263
+  _globals['_REWARDOUTCOME']._serialized_start=1509
+  _globals['_REWARDOUTCOME']._serialized_end=1665
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=203
   _globals['_PROMPT']._serialized_start=206
@@ -48,15 +48,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT_METADATAENTRY']._serialized_start=436
   _globals['_PROMPT_METADATAENTRY']._serialized_end=483
   _globals['_CHATMESSAGE']._serialized_start=485
-  _globals['_CHATMESSAGE']._serialized_end=529
-  _globals['_COMPLETION']._serialized_start=532
-  _globals['_COMPLETION']._serialized_end=1039
-  _globals['_COMPLETION_REWARDSENTRY']._serialized_start=857
-  _globals['_COMPLETION_REWARDSENTRY']._serialized_end=903
-  _globals['_COMPLETION_REWARDREASONSENTRY']._serialized_start=905
-  _globals['_COMPLETION_REWARDREASONSENTRY']._serialized_end=957
-  _globals['_COMPLETION_REWARDOUTCOMESENTRY']._serialized_start=959
-  _globals['_COMPLETION_REWARDOUTCOMESENTRY']._serialized_end=1039
-  _globals['_TIMINGS']._serialized_start=1041
-  _globals['_TIMINGS']._serialized_end=1104
+  _globals['_CHATMESSAGE']._serialized_end=568
+  _globals['_TOOLCALLRECORD']._serialized_start=570
+  _globals['_TOOLCALLRECORD']._serialized_end=657
+  _globals['_TURN']._serialized_start=660
+  _globals['_TURN']._serialized_end=808
+  _globals['_COMPLETION']._serialized_start=811
+  _globals['_COMPLETION']._serialized_end=1441
+  _globals['_COMPLETION_REWARDSENTRY']._serialized_start=1259
+  _globals['_COMPLETION_REWARDSENTRY']._serialized_end=1305
+  _globals['_COMPLETION_REWARDREASONSENTRY']._serialized_start=1307
+  _globals['_COMPLETION_REWARDREASONSENTRY']._serialized_end=1359
+  _globals['_COMPLETION_REWARDOUTCOMESENTRY']._serialized_start=1361
+  _globals['_COMPLETION_REWARDOUTCOMESENTRY']._serialized_end=1441
+  _globals['_TIMINGS']._serialized_start=1443
+  _globals['_TIMINGS']._serialized_end=1506
 # @@protoc_insertion_point(module_scope)

@@ -70,15 +70,45 @@ class Prompt(_message.Message):
     def __init__(self, prompt_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., reference: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., columns_json: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "name", "tool_calls_json")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    name: str
+    tool_calls_json: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls_json: _Optional[str] = ...) -> None: ...
+
+class ToolCallRecord(_message.Message):
+    __slots__ = ("name", "arguments_json", "status", "seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments_json: str
+    status: str
+    seconds: float
+    def __init__(self, name: _Optional[str] = ..., arguments_json: _Optional[str] = ..., status: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class Turn(_message.Message):
+    __slots__ = ("start", "generated_tokens", "observation_tokens", "weight_versions", "tool_calls")
+    START_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    generated_tokens: int
+    observation_tokens: int
+    weight_versions: _containers.RepeatedScalarFieldContainer[int]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallRecord]
+    def __init__(self, start: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., observation_tokens: _Optional[int] = ..., weight_versions: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallRecord, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "rewards", "total_reward", "reward_reasons", "weight_versions", "reward_outcomes")
+    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "rewards", "total_reward", "reward_reasons", "weight_versions", "reward_outcomes", "model_token_mask", "turns", "messages", "episode_end")
     class RewardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +139,10 @@ class Completion(_message.Message):
     REWARD_REASONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     REWARD_OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_END_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     text: str
@@ -118,7 +152,11 @@ class Completion(_message.Message):
     reward_reasons: _containers.ScalarMap[str, str]
     weight_versions: _containers.RepeatedScalarFieldContainer[int]
     reward_outcomes: _containers.ScalarMap[str, RewardOutcome]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rewards: _Optional[_Mapping[str, float]] = ..., total_reward: _Optional[float] = ..., reward_reasons: _Optional[_Mapping[str, str]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward_outcomes: _Optional[_Mapping[str, RewardOutcome]] = ...) -> None: ...
+    model_token_mask: _containers.RepeatedScalarFieldContainer[bool]
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    episode_end: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., rewards: _Optional[_Mapping[str, float]] = ..., total_reward: _Optional[float] = ..., reward_reasons: _Optional[_Mapping[str, str]] = ..., weight_versions: _Optional[_Iterable[int]] = ..., reward_outcomes: _Optional[_Mapping[str, RewardOutcome]] = ..., model_token_mask: _Optional[_Iterable[bool]] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., episode_end: _Optional[str] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "generate_s", "score_s")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitrl.v1 import common_pb2 as splitrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17splitrl/v1/reward.proto\x12\nsplitrl.v1\x1a\x17splitrl/v1/common.proto\"\x8b\x03\n\tScoreItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x35\n\x08metadata\x18\x06 \x03(\x0b\x32#.splitrl.v1.ScoreItem.MetadataEntry\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x16\n\x0e\x63ompletion_raw\x18\x08 \x01(\x0c\x12\x14\n\x0c\x63olumns_json\x18\t \x01(\t\x12\x30\n\x0fprompt_messages\x18\n \x03(\x0b\x32\x17.splitrl.v1.ChatMessage\x12\x10\n\x08group_id\x18\x0b \x01(\t\x12\x16\n\x0e\x63ompletion_ids\x18\x0c \x03(\x05\x12\x16\n\x0eweight_version\x18\r \x01(\x03\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x0cScoreRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.splitrl.v1.ScoreItem\x12\x11\n\tfunctions\x18\x02 \x03(\t\"\xf5\x02\n\tItemScore\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x31\n\x06scores\x18\x02 \x03(\x0b\x32!.splitrl.v1.ItemScore.ScoresEntry\x12\r\n\x05total\x18\x03 \x01(\x02\x12\x33\n\x07reasons\x18\x04 \x03(\x0b\x32\".splitrl.v1.ItemScore.ReasonsEntry\x12\x35\n\x08outcomes\x18\x05 \x03(\x0b\x32#.splitrl.v1.ItemScore.OutcomesEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aJ\n\rOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0e\x32\x19.splitrl.v1.RewardOutcome:\x02\x38\x01\"D\n\nScoreReply\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.splitrl.v1.ItemScore\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x1c\n\x1aListRewardFunctionsRequest\"i\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x02\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\r\n\x05style\x18\x05 \x01(\t\"M\n\x18ListRewardFunctionsReply\x12\x31\n\tfunctions\x18\x01 \x03(\x0b\x32\x1e.splitrl.v1.RewardFunctionInfo2\xa8\x01\n\x06Reward\x12\x39\n\x05Score\x12\x18.splitrl.v1.ScoreRequest\x1a\x16.splitrl.v1.ScoreReply\x12\x63\n\x13ListRewardFunctions\x12&.splitrl.v1.ListRewardFunctionsRequest\x1a$.splitrl.v1.ListRewardFunctionsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17splitrl/v1/reward.proto\x12\nsplitrl.v1\x1a\x17splitrl/v1/common.proto\"\xc1\x03\n\tScoreItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncompletion\x18\x03 \x01(\t\x12\x11\n\treference\x18\x04 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x05\x12\x35\n\x08metadata\x18\x06 \x03(\x0b\x32#.splitrl.v1.ScoreItem.MetadataEntry\x12\x11\n\ttruncated\x18\x07 \x01(\x08\x12\x16\n\x0e\x63ompletion_raw\x18\x08 \x01(\x0c\x12\x14\n\x0c\x63olumns_json\x18\t \x01(\t\x12\x30\n\x0fprompt_messages\x18\n \x03(\x0b\x32\x17.splitrl.v1.ChatMessage\x12\x10\n\x08group_id\x18\x0b \x01(\t\x12\x16\n\x0e\x63ompletion_ids\x18\x0c \x03(\x05\x12\x16\n\x0eweight_version\x18\r \x01(\x03\x12\x34\n\x13\x63ompletion_messages\x18\x0e \x03(\x0b\x32\x17.splitrl.v1.ChatMessage\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"G\n\x0cScoreRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.splitrl.v1.ScoreItem\x12\x11\n\tfunctions\x18\x02 \x03(\t\"\xf5\x02\n\tItemScore\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\x31\n\x06scores\x18\x02 \x03(\x0b\x32!.splitrl.v1.ItemScore.ScoresEntry\x12\r\n\x05total\x18\x03 \x01(\x02\x12\x33\n\x07reasons\x18\x04 \x03(\x0b\x32\".splitrl.v1.ItemScore.ReasonsEntry\x12\x35\n\x08outcomes\x18\x05 \x03(\x0b\x32#.splitrl.v1.ItemScore.OutcomesEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a.\n\x0cReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1aJ\n\rOutcomesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0e\x32\x19.splitrl.v1.RewardOutcome:\x02\x38\x01\"D\n\nScoreReply\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.splitrl.v1.ItemScore\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x1c\n\x1aListRewardFunctionsRequest\"i\n\x12RewardFunctionInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x02\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\x12\r\n\x05style\x18\x05 \x01(\t\"M\n\x18ListRewardFunctionsReply\x12\x31\n\tfunctions\x18\x01 \x03(\x0b\x32\x1e.splitrl.v1.RewardFunctionInfo2\xa8\x01\n\x06Reward\x12\x39\n\x05Score\x12\x18.splitrl.v1.ScoreRequest\x1a\x16.splitrl.v1.ScoreReply\x12\x63\n\x13ListRewardFunctions\x12&.splitrl.v1.ListRewardFunctionsRequest\x1a$.splitrl.v1.ListRewardFunctionsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,27 +41,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ITEMSCORE_OUTCOMESENTRY']._loaded_options = None
   _globals['_ITEMSCORE_OUTCOMESENTRY']._serialized_options = b'8\001'
   _globals['_SCOREITEM']._serialized_start=65
-  _globals['_SCOREITEM']._serialized_end=460
-  _globals['_SCOREITEM_METADATAENTRY']._serialized_start=413
-  _globals['_SCOREITEM_METADATAENTRY']._serialized_end=460
-  _globals['_SCOREREQUEST']._serialized_start=462
-  _globals['_SCOREREQUEST']._serialized_end=533
-  _globals['_ITEMSCORE']._serialized_start=536
-  _globals['_ITEMSCORE']._serialized_end=909
-  _globals['_ITEMSCORE_SCORESENTRY']._serialized_start=740
-  _globals['_ITEMSCORE_SCORESENTRY']._serialized_end=785
-  _globals['_ITEMSCORE_REASONSENTRY']._serialized_start=787
-  _globals['_ITEMSCORE_REASONSENTRY']._serialized_end=833
-  _globals['_ITEMSCORE_OUTCOMESENTRY']._serialized_start=835
-  _globals['_ITEMSCORE_OUTCOMESENTRY']._serialized_end=909
-  _globals['_SCOREREPLY']._serialized_start=911
-  _globals['_SCOREREPLY']._serialized_end=979
-  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_start=981
-  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_end=1009
-  _globals['_REWARDFUNCTIONINFO']._serialized_start=1011
-  _globals['_REWARDFUNCTIONINFO']._serialized_end=1116
-  _globals['_LISTREWARDFUNCTIONSREPLY']._serialized_start=1118
-  _globals['_LISTREWARDFUNCTIONSREPLY']._serialized_end=1195
-  _globals['_REWARD']._serialized_start=1198
-  _globals['_REWARD']._serialized_end=1366
+  _globals['_SCOREITEM']._serialized_end=514
+  _globals['_SCOREITEM_METADATAENTRY']._serialized_start=467
+  _globals['_SCOREITEM_METADATAENTRY']._serialized_end=514
+  _globals['_SCOREREQUEST']._serialized_start=516
+  _globals['_SCOREREQUEST']._serialized_end=587
+  _globals['_ITEMSCORE']._serialized_start=590
+  _globals['_ITEMSCORE']._serialized_end=963
+  _globals['_ITEMSCORE_SCORESENTRY']._serialized_start=794
+  _globals['_ITEMSCORE_SCORESENTRY']._serialized_end=839
+  _globals['_ITEMSCORE_REASONSENTRY']._serialized_start=841
+  _globals['_ITEMSCORE_REASONSENTRY']._serialized_end=887
+  _globals['_ITEMSCORE_OUTCOMESENTRY']._serialized_start=889
+  _globals['_ITEMSCORE_OUTCOMESENTRY']._serialized_end=963
+  _globals['_SCOREREPLY']._serialized_start=965
+  _globals['_SCOREREPLY']._serialized_end=1033
+  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_start=1035
+  _globals['_LISTREWARDFUNCTIONSREQUEST']._serialized_end=1063
+  _globals['_REWARDFUNCTIONINFO']._serialized_start=1065
+  _globals['_REWARDFUNCTIONINFO']._serialized_end=1170
+  _globals['_LISTREWARDFUNCTIONSREPLY']._serialized_start=1172
+  _globals['_LISTREWARDFUNCTIONSREPLY']._serialized_end=1249
+  _globals['_REWARD']._serialized_start=1252
+  _globals['_REWARD']._serialized_end=1420
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreItem(_message.Message):
-    __slots__ = ("item_id", "prompt", "completion", "reference", "completion_tokens", "metadata", "truncated", "completion_raw", "columns_json", "prompt_messages", "group_id", "completion_ids", "weight_version")
+    __slots__ = ("item_id", "prompt", "completion", "reference", "completion_tokens", "metadata", "truncated", "completion_raw", "columns_json", "prompt_messages", "group_id", "completion_ids", "weight_version", "completion_messages")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class ScoreItem(_message.Message):
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     item_id: str
     prompt: str
     completion: str
@@ -42,7 +43,8 @@ class ScoreItem(_message.Message):
     group_id: str
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     weight_version: int
-    def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., truncated: _Optional[bool] = ..., completion_raw: _Optional[bytes] = ..., columns_json: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., group_id: _Optional[str] = ..., completion_ids: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    completion_messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., completion: _Optional[str] = ..., reference: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., truncated: _Optional[bool] = ..., completion_raw: _Optional[bytes] = ..., columns_json: _Optional[str] = ..., prompt_messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., group_id: _Optional[str] = ..., completion_ids: _Optional[_Iterable[int]] = ..., weight_version: _Optional[int] = ..., completion_messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items", "functions")

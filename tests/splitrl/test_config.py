@@ -176,7 +176,7 @@ def test_the_json_schema_describes_every_section(capsys):
     assert trainer["properties"]["steps"]["minimum"] == 0
     assert schema["$defs"]["OptimizerConfig"]["properties"]["lr"]["exclusiveMinimum"] == 0
     assert set(schema["properties"]) == {"run_name", "model", "sampling", "reward", "algorithm",
-                                         "trainer", "sampler", "services"}
+                                         "trainer", "sampler", "services", "environment"}
     # Every key of every section says what it is (a docstring under the field).
     sections = [schema, *schema["$defs"].values()]
     undescribed = [f"{section.get('title')}.{key}" for section in sections

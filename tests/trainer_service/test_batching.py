@@ -65,3 +65,39 @@ def test_dns_names_resolve_to_addresses_without_a_name_server():
     assert resolve_dns("127.0.0.1:50300") == ["127.0.0.1:50300"]
     with pytest.raises(ValueError, match="NAME:PORT"):
         resolve_dns("localhost")
+
+
+def test_episode_observation_tokens_are_masked_out_of_the_loss():
+    """A trajectory's completion_mask covers exactly the model's tokens; every policy loss and
+    aggregation then gives the loss of the same batch with the observation tokens left out."""
+    import jax.numpy as jnp
+
+    from trainer_service.learning import losses
+
+    mask = [True, True, False, False, True, True]  # call, observation "=7", answer
+    episode = group("e", 0, completion=(4, 2, 15, 12, 4, 2))
+    for c in episode.completions:
+        c.model_token_mask = list(mask)
+        c.logprobs = [-0.5, -0.4, 0.0, 0.0, -0.3, -0.2]
+    batch = build_train_batch([episode], AlgorithmConfig(), pad_id=0)
+    np.testing.assert_array_equal(batch.completion_mask[0, :9], [0, 0, 0, *map(int, mask)])
+    np.testing.assert_array_equal(batch.tokens[0, 3:9], [4, 2, 15, 12, 4, 2])
+    # The loss over a masked trajectory equals the loss over its model tokens alone.
+    rng = np.random.default_rng(0)
+    cols = np.flatnonzero(batch.completion_mask[0])
+    logp = jnp.asarray(rng.normal(-1.0, 0.3, batch.tokens.shape), jnp.float32)
+    old = jnp.asarray(np.asarray(logp) + rng.normal(0, 0.05, logp.shape), jnp.float32)
+    m = jnp.asarray(batch.completion_mask, jnp.float32)
+    kept = np.zeros_like(batch.completion_mask)
+    kept[:, : len(cols)] = True
+    for loss in sorted(losses.POLICY_LOSSES):
+        for agg in losses.AGGREGATIONS:
+            kw = dict(loss=loss, aggregation=agg, constant_normalizer=8, beta=0.1,
+                      ref=old - 0.1, entropy=jnp.ones_like(logp), entropy_coef=0.01)
+            full, _ = losses.compute_loss(logp, old, batch.advantages, m, **kw)
+            compact = lambda x: jnp.zeros_like(x).at[:, : len(cols)].set(x[:, cols])  # noqa: E731
+            alone, _ = losses.compute_loss(
+                compact(logp), compact(old), batch.advantages, jnp.asarray(kept, jnp.float32),
+                **{**kw, "ref": compact(old - 0.1), "entropy": compact(jnp.ones_like(logp))})
+            np.testing.assert_allclose(float(full), float(alone), rtol=1e-6,
+                                       err_msg=f"{loss}/{agg}")

@@ -1,9 +1,13 @@
 """Scored rollout groups -> the learner's padded :class:`TrainBatch`.
 
 Each completion becomes one row: the prompt left-padded to the batch's longest prompt, then the
-completion right-padded. Lengths are rounded up to buckets so that a run compiles a few train
-programs, not one per batch shape: four per doubling of the length, so padding costs at most
-25% more tokens (a power-of-two bucket cost up to 100%: 44 tokens trained as 64).
+completion right-padded. A multi-turn episode's completion holds its observation tokens too; its
+``model_token_mask`` keeps them out of ``completion_mask``, so logprobs, KL, entropy and the loss
+see the model's tokens only (docs/environments.md).
+
+Lengths are rounded up to buckets so that a run compiles a few train programs, not one per
+batch shape: four per doubling of the length, so padding costs at most 25% more tokens (a
+power-of-two bucket cost up to 100%: 44 tokens trained as 64).
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ def build_train_batch(
         tokens[i, start:prompt_len] = g.prompt_token_ids
         tokens[i, prompt_len:end] = c.token_ids
         attention[i, start:end] = True
-        completion[i, prompt_len:end] = True
+        completion[i, prompt_len:end] = True if c.model_token_mask is None else np.asarray(
+            c.model_token_mask[: len(c.token_ids)], bool)  # observation tokens: not the model's
         sampler_lp[i, prompt_len:end] = c.logprobs[: len(c.token_ids)]
         rewards[i] = c.reward
     index = {id(g): k for k, g in enumerate(groups)}

@@ -88,6 +88,11 @@ def group_from_wire(item: WorkItem, msg: sampler_pb2.ScoredGroup,
             reasons=dict(c.reward_reasons),
             outcomes={name: RewardOutcome.from_wire(v) for name, v in c.reward_outcomes.items()},
             weight_versions=list(c.weight_versions) or [msg.weight_version],
+            model_token_mask=list(c.model_token_mask) or None,
+            turns=[{"generated": t.generated_tokens, "observation": t.observation_tokens,
+                    "tool_calls": [(call.name, call.status) for call in t.tool_calls]}
+                   for t in c.turns],
+            episode_end=c.episode_end,
         )
         for c in msg.completions
     ]

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from splitrl.config import Config
+from trainer_service.orchestration.episode_metrics import episode_metrics
 from trainer_service.orchestration.rollouts import EVAL, RolloutGroup, WorkItem, item_seed
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def eval_metrics(groups: list[RolloutGroup], accuracy_fn: str | None,
         "eval/reward": float(np.mean([c.reward for c in completions])) if completions else 0.0,
         "eval/count": float(len(groups)),
         "eval/dropped": float(asked - len(groups)),
+        # Multi-turn episodes: eval/tool_calls (per trajectory), eval/turns...
+        **episode_metrics(completions, prefix="eval/"),
     }
 
 
@@ -147,7 +150,17 @@ def write_jsonl(path: str | Path, records: list[dict]) -> Path:
 
 def accuracy_line(summary: dict) -> str | None:
     """"greedy accuracy on the evaluation prompts: 0.300 -> 0.850 (step 150)" from a run's
-    summary (a resumed run names the step it started from); None without evaluations."""
+    summary (a resumed run names the step it started from); None without evaluations. A run
+    of tool-using episodes gets a second line, "tool calls per trajectory: 0.02 -> 1.00"."""
+    line = _accuracy_line(summary)
+    before, after = summary.get("eval_before/tool_calls"), summary.get("eval_after/tool_calls")
+    if line is None or (before is None and after is None):
+        return line
+    calls = " -> ".join(f"{v:.2f}" for v in (before, after) if v is not None)
+    return f"{line}\ntool calls per trajectory: {calls}"
+
+
+def _accuracy_line(summary: dict) -> str | None:
     before, after = summary.get("eval_before/accuracy"), summary.get("eval_after/accuracy")
     text = "greedy accuracy on the evaluation prompts"
     step = f" (step {int(summary['step'])})" if "step" in summary else ""

@@ -75,6 +75,13 @@ class Completion:
     # The weight versions it was generated under, oldest first (several when the sampler
     # applied a push between its tokens).
     weight_versions: list[int] = field(default_factory=list)
+    # A multi-turn episode: per token, True where the model generated it, False on the
+    # observation tokens the environment inserted (masked out of the loss). None: every token
+    # is the model's.
+    model_token_mask: list[bool] | None = None
+    # Per turn: generated and observation token counts and the statuses of its tool calls.
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    episode_end: str = ""  # why an episode ended ("" for a single-turn completion)
 
 
 @dataclass
