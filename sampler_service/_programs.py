@@ -13,8 +13,9 @@ the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`
    to the longest) -> every layer's k/v [L, B, W, K, Dh] and the hidden states [B, W, D]. A
    prompt is prefilled once for its n rows.
 2. `admit`: writes each prompt's keys/values into its slots of the cache rows of its n
-   completions (only those slots, in place) and draws each row's first token from the logits
-   after the prompt (draw index 0 of its key).
+   completions (only those slots, in place: a loop over the completions, so the program holds
+   the prompts' keys/values once, not once per row) and draws each row's first token from the
+   logits after the prompt (draw index 0 of its key).
 3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
    stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
    refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
@@ -33,7 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from sampler_service import sampling
-from sampler_service.kv_cache import SlotDecodeAttention
+from sampler_service.kv_cache import CacheLayout, SlotDecodeAttention
 from splitrl.models import DenseAttention
 
 
@@ -83,9 +84,10 @@ class Programs:
     def __init__(self, graphdef, treedef):
         self.graphdef, self.treedef = graphdef, treedef
         self.prefill = jax.jit(self._prefill)
-        self.admit = jax.jit(self._admit, static_argnames=("plan", "sharding"),
+        self.admit = jax.jit(self._admit, static_argnames=("plan", "sharding", "layout"),
                              donate_argnames=("cache",))
-        self.decode = jax.jit(self._decode, static_argnames=("plan", "steps", "sharding"),
+        self.decode = jax.jit(self._decode,
+                              static_argnames=("plan", "steps", "sharding", "layout"),
                               donate_argnames=("cache",))
 
     def model(self, leaves):
@@ -103,47 +105,50 @@ class Programs:
         h, backend = model.forward_with(tokens, positions, backend)
         return backend.kv, h
 
-    def _admit(self, leaves, cache, kv, hidden, row_start, row_length, row_slot,
+    def _admit(self, leaves, cache, kv, hidden, prompt_start, prompt_length, row_slot,
                params: RowParams, *, plan: sampling.SamplePlan,
-               sharding: NamedSharding | None):
-        """Writes each new row's prompt (``row_length`` [N] tokens from flat packed position
-        ``row_start`` [N] of `prefill`'s output) into slots [0, row_length) of cache row
-        ``row_slot`` [N] of every layer (a slot past the cache's rows marks a padding entry:
-        dropped), and draws the row's first token from the hidden state after its prompt.
-        Returns (cache, tokens, logprobs, stopped).
+               sharding: NamedSharding | None, layout: CacheLayout):
+        """Writes each prompt i (``prompt_length`` [P] tokens from flat packed position
+        ``prompt_start`` [P] of `prefill`'s output) into slots [0, prompt_length[i]) of its
+        cache rows ``row_slot[i]`` [P, J] in every layer (a slot past the cache's rows marks a
+        padding entry: dropped), and draws each row's first token from the hidden state after
+        its prompt. ``params`` are the rows' in ``row_slot``'s order (prompt-major, [P * J]).
+        Returns (cache, tokens, logprobs, stopped), per row.
 
-        Only the prompts' slots are gathered and written, in place in the donated cache: the
-        program holds the new rows' prompts (at most the packed rows' width each), never a
-        copy of the cache at its full width. A row's slots past its prompt keep whatever they
-        held (stale and finite, masked until decode writes them)."""
+        Only the prompts' slots are gathered (once per prompt) and written, in place in the
+        donated cache, one completion index at a time: the program holds the prompts' keys and
+        values (at most the packed rows' width each), never a copy of the cache nor one per
+        row. A row's slots past its prompt keep whatever they held (stale and finite, masked
+        until decode writes them)."""
         model = self.model(leaves)
-        k_cache, v_cache = cache
-        width = k_cache.shape[4]
+        width = cache[0].shape[layout.slot_axes[0]]
         b, w = hidden.shape[:2]
         t = jnp.arange(min(w, width))
-        # Row n's slot t reads packed position start + t; slots past its prompt are dropped.
-        source = jnp.minimum(row_start[:, None] + t, b * w - 1)  # [N, P]
-        slot = jnp.where(t < row_length[:, None], t, width)  # width: out of range, dropped
-        rows = row_slot[:, None]
-        # [L, N, P, K, Dh] -> [N, P, L, K, Dh]: the advanced (row, slot) indices come first
+        # Prompt i's slot t reads packed position start + t; slots past its prompt are dropped.
+        source = jnp.minimum(prompt_start[:, None] + t, b * w - 1)  # [P, T]
+        slot = jnp.where(t < prompt_length[:, None], t, width)  # width: out of range, dropped
         k, v = (jnp.take(x.reshape(x.shape[0], b * w, *x.shape[3:]), source, axis=1)
-                .transpose(1, 2, 0, 3, 4) for x in kv)
-        k_cache = k_cache.at[:, rows, :, :, slot].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[:, rows, :, slot, :].set(v.astype(v_cache.dtype), mode="drop")
-        if sharding is not None:
-            k_cache = jax.lax.with_sharding_constraint(k_cache, sharding)
-            v_cache = jax.lax.with_sharding_constraint(v_cache, sharding)
-        last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
-        tokens, logprobs = _draw(model.logits(last), params, _row_keys(params),
-                                 jnp.zeros(row_start.shape, jnp.int32), plan)
-        return (k_cache, v_cache), tokens, logprobs, _is_stop(tokens, params.stop_ids)
+                for x in kv)  # [L, P, T, K, Dh]
+
+        def write(j, cache):
+            cache = layout.write_prompts(cache, row_slot[:, j], slot, k, v)
+            if sharding is not None:
+                cache = tuple(jax.lax.with_sharding_constraint(x, sharding) for x in cache)
+            return cache
+
+        cache = jax.lax.fori_loop(0, row_slot.shape[1], write, tuple(cache))
+        last = jnp.take(hidden.reshape(b * w, -1), prompt_start + prompt_length - 1, axis=0)
+        logits = jnp.repeat(model.logits(last), row_slot.shape[1], axis=0)  # [P * J, V]
+        tokens, logprobs = _draw(logits, params, _row_keys(params),
+                                 jnp.zeros(logits.shape[:1], jnp.int32), plan)
+        return cache, tokens, logprobs, _is_stop(tokens, params.stop_ids)
 
     def _decode(self, leaves, cache, last_token, length, generated, live, params: RowParams,
                 steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
-                sharding: NamedSharding | None):
+                sharding: NamedSharding | None, layout: CacheLayout):
         return _decode_loop(self.model(leaves), cache, last_token, length, generated, live,
                             params, steps_limit, refill_at, plan=plan, steps=steps,
-                            sharding=sharding)
+                            sharding=sharding, layout=layout)
 
 
 @functools.lru_cache(maxsize=8)
@@ -153,7 +158,7 @@ def programs_for(graphdef, treedef) -> Programs:
 
 def _decode_loop(model, cache, last_token, length, generated, live, params: RowParams,
                  steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
-                 sharding: NamedSharding | None):
+                 sharding: NamedSharding | None, layout: CacheLayout):
     """Up to ``min(steps, steps_limit)`` decode steps over every cache row.
 
     Row r feeds ``last_token[r]`` at position/slot ``length[r]`` (its tokens so far) and, if
@@ -172,7 +177,7 @@ def _decode_loop(model, cache, last_token, length, generated, live, params: RowP
     def body(carry):
         i, cache, last, length, generated, live, out_tok, out_lp, produced, stopped, finished = (
             carry)
-        backend = SlotDecodeAttention(cache, length, sharding)
+        backend = SlotDecodeAttention(cache, length, layout, sharding)
         h, backend = model.forward_with(last[:, None], length[:, None], backend)
         tok, lp = _draw(model.logits(h[:, 0]), params, keys, generated, plan)
         out_tok = jax.lax.dynamic_update_slice(out_tok, jnp.where(live, tok, -1)[:, None], (0, i))

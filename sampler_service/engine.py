@@ -13,8 +13,10 @@ caller (all Rollout and Generate calls) share a batch of up to ``max_batch_size`
 whose KV cache (`kv_cache.SlotCache`) never exceeds ``kv_cache_bytes``. Between decode
 segments of ``segment_steps`` steps, finished rows are retired and their slots refilled from
 waiting prompts (``batching="continuous"``; ``"static"`` drains the batch first, for
-comparison). A prompt's n completions share its prefill. Requests that do not fit wait in a
-queue.
+comparison). A prompt's n completions share its prefill; the prompts admitted at a boundary
+are prefilled in chunks of at most ``prefill_chunk_tokens`` packed tokens, each written into
+the cache before the next, so prefill's memory is bounded whatever the batch. Requests that do
+not fit wait in a queue.
 
 With ``concurrent_batches`` > 1 the engine runs that many such batches, each with its own
 thread and KV cache (of ``kv_cache_bytes`` each), on the same weights and compiled programs.
@@ -68,7 +70,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["GenerationEngine", "engine_from_config", "serving_dtype"]
 
-_COUNTERS = ("requests", "sequences", "prefills", "prefill_tokens", "prefill_padded_tokens",
+_COUNTERS = ("requests", "sequences", "prefills", "prefill_chunks", "prefill_tokens",
+             "prefill_padded_tokens",
              "tokens_generated", "segments", "decode_steps", "row_steps", "live_row_steps",
              "cache_resizes", "weight_swaps_in_flight", "generate_tokens")
 
@@ -91,7 +94,8 @@ class GenerationEngine:
                  max_batch_size: int, max_sequence_length: int,
                  eos_token_ids: Sequence[int] = (), pad_token_id: int | None = 0,
                  kv_cache_bytes: int = 0, batching: str = "continuous",
-                 segment_steps: int = 16, update_in_flight: bool = False,
+                 segment_steps: int = 16, prefill_chunk_tokens: int = 8192,
+                 update_in_flight: bool = False,
                  weights: Callable[[], tuple[int, nnx.State]] | None = None,
                  dtype=jnp.float32, concurrent_batches: int = 1):
         if max_batch_size < 1:
@@ -102,6 +106,8 @@ class GenerationEngine:
             raise ValueError(f"batching: expected 'continuous' or 'static', got {batching!r}")
         if segment_steps < 1:
             raise ValueError(f"segment_steps: expected >= 1, got {segment_steps}")
+        if prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens: expected >= 1, got {prefill_chunk_tokens}")
         if concurrent_batches < 1:
             raise ValueError(f"concurrent_batches: expected >= 1, got {concurrent_batches}")
         self.config = model_config
@@ -136,7 +142,8 @@ class GenerationEngine:
         self.schedulers = [Scheduler(
             graphdef=graphdef, cache=cache, vocab_size=model_config.vocab_size,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-            segment_steps=int(segment_steps), static=batching == "static",
+            segment_steps=int(segment_steps), prefill_chunk_tokens=int(prefill_chunk_tokens),
+            static=batching == "static",
             update_in_flight=bool(update_in_flight), weight_source=weights,
             stats=self._stats, stats_lock=self._lock) for cache in self.caches]
         self.scheduler = self.schedulers[0]
@@ -314,7 +321,8 @@ class GenerationEngine:
 
     @property
     def stats(self) -> dict:
-        """Counters: requests, sequences, prefills (prompts prefilled), prefill_tokens,
+        """Counters: requests, sequences, prefills (prompts prefilled), prefill_chunks (prefill
+        programs run: chunks of at most prefill_chunk_tokens), prefill_tokens,
         prefill_padded_tokens, tokens_generated, segments, decode_steps, row_steps (decode
         rows computed), live_row_steps (of which drew a token), cache_resizes,
         weight_swaps_in_flight, generate_seconds and generate_tokens (of `generate` calls),
@@ -378,6 +386,7 @@ def engine_from_config(config: Config, model_config: TransformerConfig, graphdef
         eos_token_ids=eos_token_ids, pad_token_id=pad_token_id,
         kv_cache_bytes=sampler.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes,
         batching=sampler.batching, segment_steps=sampler.segment_steps,
+        prefill_chunk_tokens=sampler.prefill_chunk_tokens,
         update_in_flight=sampler.update_in_flight, weights=weights,
         dtype=serving_dtype(config),
         concurrent_batches=concurrent_batches_for(sampler.concurrent_batches, mesh))

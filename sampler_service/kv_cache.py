@@ -1,9 +1,12 @@
 """The decode KV cache: one contiguous row per sequence, resized between segments, under a budget.
 
-Layout: keys ``[L, R, K, Dh, S]`` (transposed, so the score reduction streams along contiguous
-slots) and values ``[L, R, K, S, Dh]``, every layer stacked on the leading axis as the model's
-weights are (its forward scans the layers, reading and writing layer l at a dynamic index);
-R rows (one per sequence in flight), S slots.
+Layout (`CacheLayout`, chosen by the platform that decodes): every layer stacked on the leading
+axis as the model's weights are (its forward scans the layers, reading and writing layer l at a
+dynamic index); R rows (one per sequence in flight), S slots. On CPU, keys ``[L, R, K, Dh, S]``
+(transposed, so the score reduction streams along contiguous slots) and values
+``[L, R, K, S, Dh]``; on TPU and GPU both ``[L, R, S, K, Dh]``, the layout the TPU compiler
+gives a slot write and the decode matmuls (with any other, it keeps the whole cache in its own
+layout beside the argument for the program's length: a second copy of the cache).
 Row r holds its sequence at slots ``[0, length_r)``: the prompt, then each generated token as
 it is fed back. Slots at or past a row's length hold stale (finite) values and are masked.
 
@@ -58,6 +61,67 @@ class CacheShape:
     width: int
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Where the slot axis of the cache's keys and values is (module docstring): last on CPU
+    (``slot_major=False``), right after the rows elsewhere. Every program that reads or writes
+    the cache goes through it, so a layout exists in one place."""
+
+    slot_major: bool
+
+    @classmethod
+    def for_mesh(cls, mesh: Mesh) -> CacheLayout:
+        return cls(slot_major=any(d.platform != "cpu" for d in mesh.devices.flat))
+
+    def shapes(self, config: TransformerConfig, rows: int, width: int) -> tuple[tuple, tuple]:
+        """(keys' shape, values' shape) of a cache of ``rows`` x ``width`` slots."""
+        c = config
+        if self.slot_major:
+            shape = (c.num_layers, rows, width, c.num_kv_heads, c.head_dim)
+            return shape, shape
+        return ((c.num_layers, rows, c.num_kv_heads, c.head_dim, width),
+                (c.num_layers, rows, c.num_kv_heads, width, c.head_dim))
+
+    @property
+    def slot_axes(self) -> tuple[int, int]:
+        return (2, 2) if self.slot_major else (4, 3)
+
+    @property
+    def head_axis(self) -> int:
+        return 3 if self.slot_major else 2
+
+    def write_token(self, cache: tuple, layer, slot, k, v) -> tuple:
+        """Each row r's key/value ``k[r], v[r]`` [R, K, Dh] at slot ``slot[r]`` of layer
+        ``layer`` (in place when ``cache`` is donated)."""
+        k_cache, v_cache = cache
+        rows = jnp.arange(k_cache.shape[1])
+        if self.slot_major:
+            return (k_cache.at[layer, rows, slot].set(k.astype(k_cache.dtype)),
+                    v_cache.at[layer, rows, slot].set(v.astype(v_cache.dtype)))
+        return (k_cache.at[layer, rows, :, :, slot].set(k.astype(k_cache.dtype)),
+                v_cache.at[layer, rows, :, slot, :].set(v.astype(v_cache.dtype)))
+
+    def write_prompts(self, cache: tuple, rows, slots, k, v) -> tuple:
+        """Every layer's keys/values ``k, v`` [L, N, P, K, Dh] of N prompts at slots
+        ``slots`` [N, P] of rows ``rows`` [N] (an index past the cache: dropped)."""
+        k_cache, v_cache = cache
+        rows = rows[:, None]
+        if self.slot_major:
+            return (k_cache.at[:, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
+                    v_cache.at[:, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
+        # [L, N, P, K, Dh] -> [N, P, L, K, Dh]: separated advanced indices come first
+        k, v = (x.transpose(1, 2, 0, 3, 4) for x in (k, v))
+        return (k_cache.at[:, rows, :, :, slots].set(k.astype(k_cache.dtype), mode="drop"),
+                v_cache.at[:, rows, :, slots, :].set(v.astype(v_cache.dtype), mode="drop"))
+
+    def attend(self, q, cache: tuple, layer, length):
+        """Decode attention of q [R, H, Dh] over layer ``layer`` of each row's slots
+        ``< length[r]``."""
+        k_cache, v_cache = cache
+        return slot_attend(q, k_cache[layer], v_cache[layer], length,
+                           slot_major=self.slot_major)
+
+
 class SlotCache:
     """The cache arrays of the engine's batch, their shape and their memory accounting."""
 
@@ -69,6 +133,7 @@ class SlotCache:
         self.budget_bytes = int(budget_bytes)
         self.max_rows = int(max_rows)
         self.max_width = int(max_width)
+        self.layout = CacheLayout.for_mesh(mesh)
         self.num_arrays = 2  # keys, values (each stacked over the layers)
         # keys + values of one token over all layers
         self.bytes_per_token = (self.num_arrays * config.num_layers * config.num_kv_heads
@@ -126,8 +191,10 @@ class SlotCache:
                 heads.append(name)
             elif rows % (size * int(np.prod([sizes[a] for a in batch] or [1]))) == 0:
                 batch.append(name)
-        spec = PartitionSpec(None, tuple(batch) or None, tuple(heads) or None, None, None)
-        return NamedSharding(self.mesh, spec)
+        spec = [None] * 5
+        spec[1] = tuple(batch) or None
+        spec[self.layout.head_axis] = tuple(heads) or None
+        return NamedSharding(self.mesh, PartitionSpec(*spec))
 
     def resize(self, shape: CacheShape, sources: np.ndarray) -> None:
         """Re-lay the cache as ``shape``: new row i takes old row ``sources[i]`` (-1: nothing
@@ -144,7 +211,7 @@ class SlotCache:
         src = jnp.asarray(np.maximum(np.asarray(sources, np.int32), 0))
         arrays, held = list(self.arrays), self.num_arrays * old_bytes
         self.arrays = None
-        for i, axis in ((0, 4), (1, 3)):  # keys' slots are their last axis, values' not
+        for i, axis in enumerate(self.layout.slot_axes):
             self._account(held + new_bytes)
             arrays[i] = _relayout(arrays[i], src, width=shape.width, axis=axis,
                                   sharding=sharding)
@@ -157,7 +224,7 @@ class SlotCache:
         programs ahead of time: nothing is allocated)."""
         sharding = self.sharding(shape.rows)
         return tuple(jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding)
-                     for s in _array_shapes(self, shape))
+                     for s in self.layout.shapes(self.config, shape.rows, shape.width))
 
     def release(self) -> None:
         """Drop the arrays (after a failed program, or when idle)."""
@@ -165,15 +232,8 @@ class SlotCache:
         self._account(0)
 
 
-def _array_shapes(cache: SlotCache, shape: CacheShape) -> tuple[tuple, tuple]:
-    """The keys [L, R, K, Dh, S] and values [L, R, K, S, Dh]."""
-    c = cache.config
-    return ((c.num_layers, shape.rows, c.num_kv_heads, c.head_dim, shape.width),
-            (c.num_layers, shape.rows, c.num_kv_heads, shape.width, c.head_dim))
-
-
 def _zeros(cache: SlotCache, shape: CacheShape) -> tuple:
-    k_shape, v_shape = _array_shapes(cache, shape)
+    k_shape, v_shape = cache.layout.shapes(cache.config, shape.rows, shape.width)
     sharding = cache.sharding(shape.rows)
     make = jax.jit(lambda: (jnp.zeros(k_shape, cache.dtype), jnp.zeros(v_shape, cache.dtype)),
                    out_shardings=sharding)
@@ -206,17 +266,15 @@ class SlotDecodeAttention:
     attends to the row's slots ``< write[r] + 1`` of that layer.
     """
 
-    cache: tuple  # (k [L,R,K,Dh,S], v [L,R,K,S,Dh])
+    cache: tuple  # (keys, values) as ``layout`` lays them out
     write: jax.Array  # [R] int32
+    layout: CacheLayout = dataclasses.field(default=CacheLayout(False),
+                                            metadata=dict(static=True))
     sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def attend(self, layer, q, k, v):
-        k_cache, v_cache = self.cache
-        rows = jnp.arange(k_cache.shape[1])
-        k_cache = k_cache.at[layer, rows, :, :, self.write].set(k[:, 0].astype(k_cache.dtype))
-        v_cache = v_cache.at[layer, rows, :, self.write, :].set(v[:, 0].astype(v_cache.dtype))
+        cache = self.layout.write_token(self.cache, layer, self.write, k[:, 0], v[:, 0])
         if self.sharding is not None:
-            k_cache = jax.lax.with_sharding_constraint(k_cache, self.sharding)
-            v_cache = jax.lax.with_sharding_constraint(v_cache, self.sharding)
-        out = slot_attend(q[:, 0], k_cache[layer], v_cache[layer], self.write + 1)
-        return out[:, None], dataclasses.replace(self, cache=(k_cache, v_cache))
+            cache = tuple(jax.lax.with_sharding_constraint(x, self.sharding) for x in cache)
+        out = self.layout.attend(q[:, 0], cache, layer, self.write + 1)
+        return out[:, None], dataclasses.replace(self, cache=cache)

@@ -10,7 +10,10 @@ The engine's thread calls `Scheduler.step()` in a loop. One step is one *segment
    decode rows (``max_rows``) and the KV-cache budget. A prompt's n rows are admitted together
    (one prefill). ``static`` batching admits only into an empty batch.
 4. **Lay out** the cache for the rows and the next segment (`SlotCache.resize`), prefill the
-   admitted prompts and draw their first tokens, then run one decode **segment** of at most
+   admitted prompts in **chunks** of at most ``prefill_chunk_tokens`` packed tokens (each
+   chunk's keys/values written into the cache and its rows' first tokens drawn before the next
+   chunk is prefilled, so prefill's memory is bounded whatever the batch; a prompt is never
+   split, so a chunk holds at least one), then run one decode **segment** of at most
    ``segment_steps`` steps, which ends early once enough rows finished to admit the next
    waiting prompt.
 
@@ -29,6 +32,7 @@ version, so its samples stay a function of that key and the logits.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import threading
@@ -92,14 +96,16 @@ class Scheduler:
     """The batch in flight and its admission policy; see the module docstring."""
 
     def __init__(self, *, graphdef, cache: SlotCache, vocab_size: int, eos_token_ids,
-                 pad_token_id: int, segment_steps: int, static: bool, update_in_flight: bool,
-                 weight_source, stats: dict, stats_lock: threading.Lock):
+                 pad_token_id: int, segment_steps: int, prefill_chunk_tokens: int, static: bool,
+                 update_in_flight: bool, weight_source, stats: dict,
+                 stats_lock: threading.Lock):
         self.graphdef = graphdef
         self.cache = cache
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.pad_token_id = pad_token_id
         self.segment_steps = segment_steps
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.static = static
         self.update_in_flight = update_in_flight
         self.weight_source = weight_source
@@ -363,17 +369,46 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill + admit
 
     def _prefill_and_admit(self, admitted: list[_Group]) -> None:
-        """One packed prefill of the admitted prompts, then their rows' first tokens."""
-        prompts, rows, prefill_args, admit_args, plan = self._prefill_inputs(admitted)
+        """The admitted prompts, chunk by chunk (`_chunks`): a packed prefill of the chunk,
+        its keys/values written into the cache, its rows' first tokens drawn."""
+        for chunk in self._chunks(admitted):
+            self._prefill_chunk(chunk)
+
+    def _chunks(self, admitted: list[_Group]) -> list[list[_Group]]:
+        """``admitted`` in prefill chunks, in order: each the longest run of groups whose
+        packed prompts (`pack_prompts`, padding included) take at most
+        ``prefill_chunk_tokens``, and at least one group."""
+        prompts = [g.request.prompts[g.index] for g in admitted]
+
+        def too_big(start: int, end: int) -> bool:
+            packed = pack_prompts(prompts[start:end], self.cache.max_width, self.pad_token_id)
+            return packed[0].size > self.prefill_chunk_tokens
+
+        chunks, start = [], 0
+        while start < len(admitted):
+            end = len(admitted)
+            if end - start > 1 and too_big(start, end):
+                # packed size grows with the prompts: the last end that fits, one at least
+                ends = range(start + 2, len(admitted) + 1)
+                end = start + 1 + bisect.bisect_left(ends, True, key=lambda e: too_big(start, e))
+                while end - start > 1 and too_big(start, end):  # first fit is not monotone
+                    end -= 1
+            chunks.append(admitted[start:end])
+            start = end
+        return chunks
+
+    def _prefill_chunk(self, chunk: list[_Group]) -> None:
+        prompts, rows, order, prefill_args, admit_args, plan = self._prefill_inputs(chunk)
         tokens = prefill_args[0]
         programs = self.weights.programs
         kv, hidden = programs.prefill(self.weights.leaves, *prefill_args)
         self.cache.arrays, tok, lp, stopped = programs.admit(
             self.weights.leaves, self.cache.arrays, kv, hidden, *admit_args,
-            plan=plan, sharding=self.cache.sharding(self.cache.shape.rows))
+            plan=plan, sharding=self.cache.sharding(self.cache.shape.rows),
+            layout=self.cache.layout)
         params = admit_args[-1]
         tok, lp, stopped = jax.device_get((tok, lp, stopped))
-        for j, row in enumerate(rows):
+        for j, row in zip(order, rows, strict=True):
             row.length = row.prompt_len
             row.tokens.append(int(tok[j]))
             row.logprobs.append(float(lp[j]))
@@ -383,33 +418,41 @@ class Scheduler:
                 row.reason = "length"
         with self.stats_lock:
             st = self.stats
-            st["prefills"] += len(admitted)
+            st["prefills"] += len(chunk)
+            st["prefill_chunks"] += 1
             st["prefill_tokens"] += int(sum(p.size for p in prompts))
             st["prefill_padded_tokens"] += tokens.size
             st["tokens_generated"] += len(rows)
             self._programs_seen(("prefill", tokens.shape),
-                                ("admit", self.cache.shape, tokens.shape, len(rows), plan,
-                                 params.stop_ids.shape))
+                                ("admit", self.cache.shape, tokens.shape,
+                                 admit_args[2].shape, plan, params.stop_ids.shape))
 
-    def _prefill_inputs(self, admitted: list[_Group]):
-        """(prompts, rows, prefill's host arguments, admit's host arguments after the cache,
-        kv and hidden states, the rows' `SamplePlan`) of one packed prefill of ``admitted``."""
-        prompts = [g.request.prompts[g.index] for g in admitted]
+    def _prefill_inputs(self, chunk: list[_Group]):
+        """(prompts, rows, each row's index in admit's rows, prefill's host arguments, admit's
+        host arguments after the cache, kv and hidden states, the rows' `SamplePlan`) of one
+        packed prefill of the groups of ``chunk``. Admit's rows are prompt-major: prompt i's
+        completion j at i * J + j, J the most completions of a prompt, both padded to powers
+        of two (fewer admit programs); a padding entry's slot is past the cache (dropped)."""
+        prompts = [g.request.prompts[g.index] for g in chunk]
         tokens, positions, segments, starts = pack_prompts(
             prompts, self.cache.max_width, self.pad_token_id)
-        rows = [row for group in admitted for row in group.rows]
-        n = pow2(len(rows))  # admitted rows, padded: fewer admit programs
-        row_start = np.zeros(n, np.int32)
-        row_length = np.ones(n, np.int32)
-        row_slot = np.full(n, self.cache.shape.rows, np.int32)  # padding entries: dropped
-        j = 0
-        for i, group in enumerate(admitted):
-            for row in group.rows:
-                row_start[j], row_length[j], row_slot[j] = starts[i], prompts[i].size, row.slot
-                j += 1
-        params, plan = row_params(rows, n, self.vocab_size)
-        return (prompts, rows, (tokens, positions, segments),
-                (row_start, row_length, row_slot, params), plan)
+        count, per = pow2(len(chunk)), pow2(max(len(g.rows) for g in chunk))
+        prompt_start = np.zeros(count, np.int32)
+        prompt_length = np.ones(count, np.int32)
+        row_slot = np.full((count, per), self.cache.shape.rows, np.int32)
+        rows, order = [], []
+        for i, group in enumerate(chunk):
+            prompt_start[i], prompt_length[i] = starts[i], prompts[i].size
+            for j, row in enumerate(group.rows):
+                row_slot[i, j] = row.slot
+                rows.append(row)
+                order.append(i * per + j)
+        placed = [rows[0]] * (count * per)  # padding entries: any row's parameters
+        for index, row in zip(order, rows, strict=True):
+            placed[index] = row
+        params, plan = row_params(placed, count * per, self.vocab_size)
+        return (prompts, rows, order, (tokens, positions, segments),
+                (prompt_start, prompt_length, row_slot, params), plan)
 
     # ------------------------------------------------------------------ decode
 
@@ -440,7 +483,8 @@ class Scheduler:
         start = time.perf_counter()
         self.cache.arrays, out_tok, out_lp, produced, stopped = self.weights.programs.decode(
             self.weights.leaves, self.cache.arrays, *args, plan=plan,
-            steps=self.segment_steps, sharding=self.cache.sharding(shape.rows))
+            steps=self.segment_steps, sharding=self.cache.sharding(shape.rows),
+            layout=self.cache.layout)
         out_tok, out_lp, produced, stopped = jax.device_get((out_tok, out_lp, produced, stopped))
         seconds = time.perf_counter() - start
         for slot, row in enumerate(order):
@@ -493,8 +537,9 @@ class Scheduler:
     def lower(self, request: GenerationRequest) -> tuple[dict[str, jax.stages.Lowered], tuple]:
         """The programs this scheduler runs when ``request`` (pinned weights, which may be
         abstract: sharded ShapeDtypeStructs) is admitted whole into an empty batch: "prefill"
-        of all its prompts in one packed batch, "admit" of their rows into the cache laid out
-        as `_layout` lays it for them, and "decode", a segment over that cache. Lowered for
+        of its first prefill chunk (`_chunks`; the largest when its prompts are alike, as a
+        plan's are), "admit" of that chunk's rows into the cache laid out as `_layout` lays
+        it for all of the request's rows, and "decode", a segment over that cache. Lowered for
         ahead-of-time compilation (`splitrl plan`), with the cache they run over (sharded
         ShapeDtypeStructs). Nothing runs, no cache is allocated, and the scheduler is left as
         it was (an empty batch)."""
@@ -511,19 +556,20 @@ class Scheduler:
             shape = self.cache.bound_for(len(rows), width)
             self.cache.shape, self.cache.arrays = shape, self.cache.abstract_arrays(shape)
             sharding = self.cache.sharding(shape.rows)
-            _, _, prefill_args, admit_args, plan = self._prefill_inputs(admitted)
+            *_, prefill_args, admit_args, plan = self._prefill_inputs(self._chunks(admitted)[0])
             host = _replicated(self.cache.mesh)
             programs, leaves = weights.programs, weights.leaves
             prefill = programs.prefill.lower(leaves, *host(prefill_args))
             kv, hidden = prefill.out_info
             admit = programs.admit.lower(leaves, self.cache.arrays, kv, hidden,
-                                         *host(admit_args), plan=plan, sharding=sharding)
+                                         *host(admit_args), plan=plan, sharding=sharding,
+                                         layout=self.cache.layout)
             for row in rows:  # as `_prefill_and_admit` leaves them: prompt in, a first token
                 row.length, row.tokens = row.prompt_len, [0]
             _, decode_args, plan = self._decode_inputs()
             decode = programs.decode.lower(leaves, self.cache.arrays, *host(decode_args),
                                            plan=plan, steps=self.segment_steps,
-                                           sharding=sharding)
+                                           sharding=sharding, layout=self.cache.layout)
             return {"prefill": prefill, "admit": admit, "decode": decode}, self.cache.arrays
         finally:
             self.rows.clear()

@@ -600,6 +600,12 @@ class SamplerConfig(Section):
     segments; "static": a batch decodes until its last sequence ends (for comparison)."""
     segment_steps: PositiveInt = 16
     """Decode steps per compiled segment (between segments slots are retired and refilled)."""
+    prefill_chunk_tokens: PositiveInt = 8192
+    """Prompt tokens (packed, padding included) one prefill program computes: the prompts
+    admitted at a segment boundary are prefilled in chunks of at most this many, each written
+    into the KV cache (and its first tokens drawn) before the next, so prefill's activations
+    and keys/values are bounded whatever the batch. A prompt is never split: one longer than
+    this (set it >= max_sequence_length to rule that out) is a chunk of its own."""
     concurrent_batches: PositiveInt | None = None
     """Batches decoding at once, each with its own thread and KV cache (kv_cache_bytes each):
     requests share one batch; exclusive (reproducible) requests take a batch each, so a

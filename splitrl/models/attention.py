@@ -13,9 +13,9 @@ and writes them at a dynamic index.
 Everything else about the model (projections, norms, RoPE, MLP, residuals) exists once, in
 `layers.py` / `transformer.py`, and is shared by the trainer and every cache layout.
 
-The attention itself is one function per shape of query, each choosing its implementation by
-the platform the program is lowered for: `attend` (queries over given keys: training,
-scoring, prefill) and `slot_attend` (one decode query per row over a slot cache).
+The attention itself is one function per shape of query: `attend` (queries over given keys:
+training, scoring, prefill; its implementation chosen by the platform the program is lowered
+for) and `slot_attend` (one decode query per row over a slot cache, by the cache's layout).
 
 Backends here:
 - `DenseAttention`: attend over the T given tokens under an explicit mask [B,T,T] (training,
@@ -203,32 +203,32 @@ def _slot_attend_streaming(q, k_cache, v_cache, length):
 
 
 def _slot_attend_matmul(q, k_cache, v_cache, length):
-    """`slot_attend` on TPU/GPU: two batched matmuls on the cache as stored (bfloat16 in,
-    float32 accumulation), so the matrix units do the work and neither an upcast copy of the
-    cache nor a [R,K,G,Dh,S] product is ever formed."""
+    """`slot_attend` over a slot-major cache (TPU/GPU): two batched matmuls on the cache as
+    stored (bfloat16 in, float32 accumulation), so the matrix units do the work and neither an
+    upcast copy of the cache nor a [R,K,G,Dh,S] product is ever formed."""
     r, h, dh = q.shape
-    kh = k_cache.shape[1]
+    kh = k_cache.shape[2]
     qg = q.reshape(r, kh, h // kh, dh).astype(k_cache.dtype)
-    s = jnp.einsum("rkgd,rkds->rkgs", qg, k_cache, preferred_element_type=jnp.float32)
+    s = jnp.einsum("rkgd,rskd->rkgs", qg, k_cache, preferred_element_type=jnp.float32)
     s = s * dh ** -0.5
-    visible = jnp.arange(k_cache.shape[3]) < length[:, None, None, None]
+    visible = jnp.arange(k_cache.shape[1]) < length[:, None, None, None]
     s = jnp.where(visible, s, MASK_VALUE)
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-    out = jnp.einsum("rkgs,rksd->rkgd", e.astype(v_cache.dtype), v_cache,
+    out = jnp.einsum("rkgs,rskd->rkgd", e.astype(v_cache.dtype), v_cache,
                      preferred_element_type=jnp.float32)
     out = out / jnp.sum(e, axis=-1)[..., None]
     return out.reshape(r, h, dh).astype(q.dtype)
 
 
-def slot_attend(q, k_cache, v_cache, length):
-    """Decode attention: one query per row against its cache row, by platform.
-
-    q [R,H,Dh]; k_cache [R,K,Dh,S], v_cache [R,K,S,Dh] (a generation engine's slot cache);
-    slots < length[r] are visible. CPU: `_slot_attend_streaming` (unchanged); TPU and GPU:
-    `_slot_attend_matmul`. Chosen when the program is lowered for its devices.
-    """
-    return jax.lax.platform_dependent(q, k_cache, v_cache, length,
-                                      cpu=_slot_attend_streaming, default=_slot_attend_matmul)
+def slot_attend(q, k_cache, v_cache, length, *, slot_major: bool = False):
+    """Decode attention: one query per row against its cache row; slots < length[r] are
+    visible. q [R,H,Dh]; the cache in the layout its platform gets
+    (`sampler_service.kv_cache.CacheLayout`): on CPU keys [R,K,Dh,S] and values [R,K,S,Dh]
+    (`_slot_attend_streaming`), on TPU and GPU ``slot_major`` keys and values [R,S,K,Dh]
+    (`_slot_attend_matmul`)."""
+    if slot_major:
+        return _slot_attend_matmul(q, k_cache, v_cache, length)
+    return _slot_attend_streaming(q, k_cache, v_cache, length)
 
 
 def causal_mask(query_slots, key_slots, key_valid) -> jax.Array:

@@ -177,6 +177,30 @@ def test_same_seed_reproduces_regardless_of_batching(setup):
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
+def test_chunked_prefill_gives_the_same_tokens_as_one_prefill(setup):
+    """Prompts prefilled in chunks of at most 16 packed tokens give the tokens of one packed
+    prefill of them all, greedy and sampled: a row's noise is keyed by (prompt seed, sample
+    index, admission version), not by the chunk that prefilled it, so the same seed draws the
+    same tokens (logprobs equal up to the last bits of differently shaped prefills)."""
+    model, mesh, _, _ = setup
+    prompts = PROMPTS + [[30, 31, 32, 33, 34, 35], [40, 41, 42, 43, 44, 45, 46, 47, 48], [50]]
+    engine, state = make_engine(model, mesh, max_batch_size=16)  # every row admitted at once
+    chunked, chunked_state = make_engine(model, mesh, max_batch_size=16,
+                                         prefill_chunk_tokens=16)
+    for options, n in ((SamplingOptions(max_new_tokens=6), 1), (SAMPLED, 2)):
+        before = engine.stats["prefill_chunks"]
+        whole = engine.generate(state, prompts, options, n=n)
+        assert engine.stats["prefill_chunks"] - before == 1
+        before = chunked.stats["prefill_chunks"]
+        parts = chunked.generate(chunked_state, prompts, options, n=n)
+        # prompts of 3 + 10 + 1 and 6 + 9 + 1 tokens: two packed rows of 16, one per chunk
+        assert chunked.stats["prefill_chunks"] - before == 2
+        for a, b in zip(whole, parts, strict=True):
+            for x, y in zip(a, b, strict=True):
+                assert x.token_ids == y.token_ids
+                np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
 def test_too_long_prompt_is_rejected_with_index_and_lengths(setup):
     _, _, engine, state = setup
     prompts = [[1, 2], list(range(1, 28))]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sampler_service.kv_cache import (
+    CacheLayout,
     CacheShape,
     SlotCache,
     SlotDecodeAttention,
@@ -67,7 +68,18 @@ def test_resize_moves_rows_and_keeps_their_slots(mesh):
     assert cache.peak_bytes == 4 * 32 * BYTES_PER_TOKEN + 2 * 64 * BYTES_PER_TOKEN // 2
 
 
-def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(mesh):
+def _as_slot_major(k_cache, v_cache):
+    """CPU layout (keys [..., K, Dh, S], values [..., K, S, Dh]) -> slot-major [..., S, K, Dh]."""
+    nd = k_cache.ndim
+    lead = tuple(range(nd - 3))
+    return (k_cache.transpose(*lead, nd - 1, nd - 3, nd - 2),
+            v_cache.transpose(*lead, nd - 2, nd - 3, nd - 1))
+
+
+@pytest.mark.parametrize("slot_major", [False, True], ids=["cpu-layout", "slot-major"])
+def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(slot_major):
+    """Both layouts (the CPU's, and the TPU's, run here on CPU) write the same slots and give
+    the dense reference's attention."""
     rng = np.random.default_rng(0)
     layers, rows, width, heads, kv_heads, dh = 2, 3, 32, 4, 2, 8
     k_cache = jnp.asarray(rng.standard_normal((layers, rows, kv_heads, dh, width)), jnp.float32)
@@ -76,10 +88,14 @@ def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(mes
     k = jnp.asarray(rng.standard_normal((rows, 1, kv_heads, dh)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((rows, 1, kv_heads, dh)), jnp.float32)
     write = jnp.array([0, 5, 31], jnp.int32)
-    backend = SlotDecodeAttention((k_cache, v_cache), write)
+    layout = CacheLayout(slot_major)
+    stored = _as_slot_major(k_cache, v_cache) if slot_major else (k_cache, v_cache)
+    backend = SlotDecodeAttention(stored, write, layout)
     layer = jnp.int32(1)  # traced, as under the model's scan over layers
     out, backend = jax.jit(lambda b, q, k, v, i: b.attend(i, q, k, v))(backend, q, k, v, layer)
     all_k, all_v = backend.cache
+    if slot_major:  # back to the CPU layout for the checks below
+        all_k, all_v = all_k.transpose(0, 1, 3, 4, 2), all_v.transpose(0, 1, 3, 2, 4)
     np.testing.assert_array_equal(all_k[0], k_cache[0])  # other layers untouched
     np.testing.assert_array_equal(all_v[0], v_cache[0])
     new_k, new_v = all_k[1], all_v[1]
@@ -93,9 +109,10 @@ def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(mes
         np.testing.assert_allclose(out[r], ref[0], atol=1e-5)
 
 
-def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(mesh):
-    """Admission gathers and writes each prompt's own slots (no full-width copy): the other
-    rows, and a new row's slots past its prompt, keep what they held."""
+@pytest.mark.parametrize("slot_major", [False, True], ids=["cpu-layout", "slot-major"])
+def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
+    """Admission gathers and writes each prompt's own slots (no full-width copy) into each of
+    its rows: the other rows, and a new row's slots past its prompt, keep what they held."""
     from flax import nnx
 
     from sampler_service import _programs
@@ -112,21 +129,27 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(mesh):
     kv, hidden = programs.prefill(leaves, tokens, positions, segments)
     marker = 3.0
     cache = tuple(jnp.full(s, marker, jnp.float32) for s in (
-        (2, 4, 2, 8, 32), (2, 4, 2, 32, 8)))  # [L, R, K, Dh, S], [L, R, K, S, Dh]
-    n = 4  # prompt 0 -> row 2, prompt 1 -> row 0, two padding entries (dropped)
-    row_start = np.array([starts[0], starts[1], 0, 0], np.int32)
-    row_length = np.array([3, 5, 1, 1], np.int32)
-    row_slot = np.array([2, 0, 4, 4], np.int32)
+        (2, 6, 2, 8, 32), (2, 6, 2, 32, 8)))  # [L, R, K, Dh, S], [L, R, K, S, Dh]
+    # prompt 0 -> rows 2 and 5, prompt 1 -> row 0; padding entries (slot 6: dropped)
+    prompt_start = np.array([starts[0], starts[1]], np.int32)
+    prompt_length = np.array([3, 5], np.int32)
+    row_slot = np.array([[2, 5], [0, 6]], np.int32)
+    n = row_slot.size
     params = _programs.RowParams(
         seeds=np.zeros((n, 2), np.uint32), sample_ids=np.zeros(n, np.int32),
         versions=np.zeros((n, 2), np.uint32), temperature=np.ones(n, np.float32),
         top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=np.ones(n, bool),
         max_new=np.full(n, 4, np.int32), stop_ids=np.full((n, 1), -1, np.int32))
-    (k_cache, v_cache), *_ = programs.admit(
-        leaves, cache, kv, hidden, row_start, row_length, row_slot, params,
-        plan=SamplePlan(sampled=False), sharding=None)
+    if slot_major:
+        cache = _as_slot_major(*cache)
+    (k_cache, v_cache), tokens, *_ = programs.admit(
+        leaves, cache, kv, hidden, prompt_start, prompt_length, row_slot, params,
+        plan=SamplePlan(sampled=False), sharding=None, layout=CacheLayout(slot_major))
+    if slot_major:  # back to the CPU layout for the checks below
+        k_cache, v_cache = k_cache.transpose(0, 1, 3, 4, 2), v_cache.transpose(0, 1, 3, 2, 4)
+    assert tokens[0] == tokens[1]  # prompt 0's two rows: the same greedy first token
     k_all, v_all = (np.asarray(x).reshape(2, -1, 2, 8) for x in kv)  # [L, B*W, K, Dh]
-    for row, prompt in ((2, 0), (0, 1)):
+    for row, prompt in ((2, 0), (5, 0), (0, 1)):
         size, start = prompts[prompt].size, starts[prompt]
         np.testing.assert_array_equal(k_cache[:, row, :, :, :size],
                                       k_all[:, start:start + size].transpose(0, 2, 3, 1))
@@ -134,6 +157,6 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(mesh):
                                       v_all[:, start:start + size].transpose(0, 2, 1, 3))
         np.testing.assert_array_equal(k_cache[:, row, :, :, size:], marker)  # past the prompt
         np.testing.assert_array_equal(v_cache[:, row, :, size:], marker)
-    for row in (1, 3):  # rows nobody was admitted to
+    for row in (1, 3, 4):  # rows nobody was admitted to
         np.testing.assert_array_equal(k_cache[:, row], marker)
         np.testing.assert_array_equal(v_cache[:, row], marker)

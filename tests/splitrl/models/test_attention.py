@@ -68,7 +68,9 @@ def test_decode_attention_matmul_form_matches_the_cpu_form(dtype):
     v_cache = jnp.asarray(rng.standard_normal((r, kh, s, dh)), dtype)
     length = jnp.asarray([1, 7, 40, 13, 2, 33], jnp.int32)
     want = jax.jit(_slot_attend_streaming)(q, k_cache, v_cache, length)
-    got = jax.jit(_slot_attend_matmul)(q, k_cache, v_cache, length)
+    # the accelerators' slot-major layout: keys and values [R, S, K, Dh]
+    got = jax.jit(_slot_attend_matmul)(q, k_cache.transpose(0, 3, 1, 2),
+                                       v_cache.transpose(0, 2, 1, 3), length)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=tol, atol=tol)
