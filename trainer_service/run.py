@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from splitrl.agreement import agreed_settings
 from splitrl.auth import auth_metadata
@@ -50,7 +49,6 @@ from trainer_service.learning.checkpoints import Checkpointer, SaveFailed
 from trainer_service.learning.export import export_adapter, export_hf
 from trainer_service.learning.learner import Learner
 from trainer_service.learning.multihost import HostGroup, follow, host_model
-from trainer_service.orchestration.episode_metrics import episode_metrics
 from trainer_service.orchestration.evaluation import (
     accuracy_function,
     collect_lane,
@@ -63,14 +61,10 @@ from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.parts import build_leader_parts
 from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
-from trainer_service.orchestration.rollouts import (
-    EVAL,
-    TRAIN,
-    RolloutGroup,
-    WorkItem,
-    item_seed,
-)
+from trainer_service.orchestration.rollouts import EVAL, TRAIN, WorkItem
+from trainer_service.prompt_feed import Collected, PromptFeed
 from trainer_service.resume import check_resume
+from trainer_service.step_metrics import LOGGED, rollout_metrics
 from trainer_service.tracking import Trackers
 
 log = logging.getLogger(__name__)
@@ -88,17 +82,6 @@ class RunState:
     steps_per_s: float = 0.0
     last_metrics: dict[str, float] = field(default_factory=dict)
     data_cursor: dict = field(default_factory=dict)
-
-
-@dataclass
-class Collected:
-    """One step's rollouts: the groups to train on and what became done without training."""
-
-    groups: list[RolloutGroup]
-    filtered: list[RolloutGroup] = field(default_factory=list)
-    dropped: list[tuple[WorkItem, str]] = field(default_factory=list)
-    extra_draws: int = 0
-    short: bool = False  # the extra-draw bound or the end of the data left the batch short
 
 
 class TrainerRun:
@@ -129,7 +112,6 @@ class TrainerRun:
             f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
         self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
         self.step = 0  # steps run, with or without an update; the weight version is the learner's
-        self.drawn = 0  # prompts drawn from the data so far: every work item's seq and uid
         self._params_lock = threading.Lock()
         self._push_in_flight: PushInFlight | None = None
         self._last_step_end: float | None = None  # monotonic time the previous step ended
@@ -147,6 +129,7 @@ class TrainerRun:
                                                                 self.tokenizer)),
                                             lora=self.learner.lora)
             self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
+            self.feed = PromptFeed(cfg, self.data, self.queue, self.stop_event)
             self.publisher, self.audit = self.parts.publisher, self.parts.audit
             self.accuracy_fn = accuracy_function(cfg)
             self.reward_checks = RewardChecks.from_config(cfg.reward)
@@ -171,13 +154,14 @@ class TrainerRun:
         # metrics. With max_staleness 0 the samplers generate meanwhile, so a step's rollouts
         # take wait + other: both belong to the step's cost (bench/step_breakdown.py).
         between = t0 - self._last_step_end if self._last_step_end is not None else 0.0
-        collected = self._holding = self._collect(self.cfg.trainer.prompts_per_step)
+        collected = self._holding = self.feed.collect(self.cfg.trainer.prompts_per_step,
+                                                        self.step)
         t_rollouts = time.monotonic()
         if self.trackers.completions_due(self.step + 1):
             self.trackers.completions(  # prompts as the model saw them: their token ids
                 self.step + 1, collected.groups,
                 decode=lambda ids: decode(self.tokenizer, ids, skip_special_tokens=False))
-        metrics = self._rollout_metrics(collected)
+        metrics = rollout_metrics(collected, self.queue.counts, self.version, self.accuracy_fn)
         try:  # failing reward functions: logged, counted, and past the policy the run stops
             metrics.update(self.reward_checks.observe(collected.groups))
         except RewardFunctionFailed as e:
@@ -196,7 +180,7 @@ class TrainerRun:
         t_train = time.monotonic()
         metrics.update(self._push())
         t_push = self._last_step_end = time.monotonic()
-        self._draw_ahead()  # the next step's prompts go out while we record and checkpoint
+        self.feed.draw_ahead(self.step)  # the next prompts go out while we record, checkpoint
         self.audit.record(self.step, trained_from, collected.groups, filtered=collected.filtered,
                           dropped=collected.dropped)
         self._mid_step, self._holding = False, None
@@ -214,43 +198,6 @@ class TrainerRun:
             "samplers/ready": float(len(self.pool.ready())),
         })
         return metrics
-
-    def _collect(self, n: int) -> Collected:
-        """``n`` groups to train on, earliest drawn first. Prompts that were filtered (dynamic
-        sampling) or dropped (refused twice) are replaced by new draws, at most
-        ``algorithm.max_extra_draws`` per step; past that, or at the end of the data, the step
-        trains on what it has."""
-        algorithm = self.cfg.algorithm
-        limit = algorithm.max_extra_draws
-        if limit is None:
-            limit = 3 * self.cfg.trainer.prompts_per_step
-        out = Collected([])
-        self._draw_ahead()
-        while True:
-            taken = self.queue.take(TRAIN, n, stop=self.stop_event)
-            if taken.groups:
-                out.groups = taken.groups
-                break
-            drawn = self._draw(min(taken.shortfall, limit - out.extra_draws))
-            out.extra_draws += drawn
-            if drawn < taken.shortfall:
-                if not out.short:
-                    log.warning("step %d is short: %s", self.step + 1,
-                                "the data is used up" if self.data.exhausted else
-                                f"algorithm.max_extra_draws ({limit}) reached",
-                                extra={"extra_draws": out.extra_draws})
-                out.short = True
-                n -= taken.shortfall - drawn
-                if n <= 0:
-                    break
-        # Drained once the step has its groups: until then a stop leaves the filtered and
-        # dropped items in the queue, where the checkpoint's snapshot finds them.
-        events = self.queue.drain_events(TRAIN)
-        out.filtered, out.dropped = events.filtered, events.dropped
-        for item, reason in events.dropped:
-            log.warning("prompt dropped: a sampler refused it twice",
-                        extra={"uid": item.uid, "reason": reason})
-        return out
 
     def _update(self, batch) -> dict[str, float]:
         self.hosts.train(batch)  # multi-host: every process trains on this batch
@@ -282,62 +229,7 @@ class TrainerRun:
         in_flight, self._push_in_flight = self._push_in_flight, None
         return in_flight.wait() if in_flight is not None else None
 
-    # -- prompts --------------------------------------------------------------------------
-
-    def _draw(self, count: int) -> int:
-        """Draw ``count`` prompts from the data into the queue; returns how many there were."""
-        if count <= 0:
-            return 0
-        rows = self.data.next_batch(count)
-        items = []
-        for row in rows:
-            uid = f"{row['prompt_id']}#{self.drawn}"
-            items.append(WorkItem(uid=uid, row=row, seq=self.drawn,
-                                  seed=item_seed(self.cfg.trainer.seed, uid)))
-            self.drawn += 1
-        self.queue.add(items)
-        return len(rows)
-
-    def _draw_ahead(self) -> None:
-        """Keep (1 + max_staleness) steps of prompts outstanding, none beyond the last step."""
-        tcfg = self.cfg.trainer
-        steps = min(1 + tcfg.max_staleness, tcfg.steps - self.step)
-        self._draw(steps * tcfg.prompts_per_step - self.queue.outstanding(TRAIN))
-
     # -- metrics --------------------------------------------------------------------------
-
-    def _rollout_metrics(self, collected: Collected) -> dict[str, float]:
-        counts = self.queue.counts
-        out = {
-            "counts/zero_variance_filtered": float(counts["zero_variance_filtered"]),
-            "counts/stale_dropped": float(counts["stale_dropped"]),
-            "counts/redispatched": float(counts["redispatched"]),
-            "counts/dropped_refused": float(counts["dropped_refused"]),
-            "dynamic_sampling/filtered": float(len(collected.filtered)),
-            "dynamic_sampling/extra_draws": float(collected.extra_draws),
-            "dynamic_sampling/short_step": float(collected.short),
-            "groups": float(len(collected.groups)),
-        }
-        groups = collected.groups
-        if not groups:
-            return out
-        rewards = np.concatenate([g.rewards for g in groups])
-        staleness = [self.version - g.weight_version for g in groups]
-        out.update({
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "reward/min": float(rewards.min()),
-            "reward/max": float(rewards.max()),
-            "staleness/mean": float(np.mean(staleness)),
-            "staleness/max": float(np.max(staleness)),
-            "completion_len/mean": float(np.mean([len(c.token_ids) for g in groups
-                                                  for c in g.completions])),
-        })
-        if self.accuracy_fn:
-            out["accuracy/mean"] = float(np.mean([c.rewards.get(self.accuracy_fn, 0.0)
-                                                  for g in groups for c in g.completions]))
-        out.update(episode_metrics([c for g in groups for c in g.completions]))
-        return out
 
     def _write_metrics(self, record: dict) -> None:
         self.metrics_file.write(record)
@@ -414,7 +306,7 @@ class TrainerRun:
         self.queue.set_version(self.version)
         cursor = ckpt.data_cursor
         self.data.load_state_dict(cursor["stream"])
-        self.drawn = int(cursor["drawn"])
+        self.feed.drawn = int(cursor["drawn"])
         unfinished = [WorkItem.from_json(d) for d in cursor["unfinished"]]
         self.queue.add(sorted(unfinished, key=lambda i: i.seq))
         rolled_back = self.audit.roll_back_to(self.step)
@@ -441,7 +333,7 @@ class TrainerRun:
                                 + [item for item, _ in held.dropped], key=lambda i: i.seq)
         cursor = {
             "stream": self.data.state_dict(),
-            "drawn": self.drawn,
+            "drawn": self.feed.drawn,
             "unfinished": [i.to_json() for i in unfinished],
         }
         self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
@@ -468,7 +360,7 @@ class TrainerRun:
                 summary["eval_before/step"] = float(self.step)
             self.status.state = "training"
             if warm_up is not None:
-                self._draw_ahead()  # the samplers generate the first batch meanwhile
+                self.feed.draw_ahead(self.step)  # the samplers generate the first batch now
                 warm_up.join()
             started, start_step = time.monotonic(), self.step
             while self.step < tcfg.steps and not self.stop_event.is_set():
@@ -555,7 +447,7 @@ class TrainerRun:
         if progress is not None:
             progress(self.step, metrics)
         if self.step % self.cfg.trainer.log_every == 0:
-            log.info("step", extra={k: round(v, 5) for k, v in metrics.items() if k in _LOGGED})
+            log.info("step", extra={k: round(v, 5) for k, v in metrics.items() if k in LOGGED})
 
     def _stopped(self, summary: dict[str, float]) -> dict[str, float]:
         """A stop the run decided on (a signal, the reward error policy): checkpoint where we
@@ -666,9 +558,3 @@ class TrainerRun:
             self.metrics_file.close()
             self.trackers.close()
         self.checkpointer.close()
-
-
-_LOGGED = {
-    "loss", "reward/mean", "accuracy/mean", "kl", "entropy", "grad_norm",
-    "staleness/max", "time/step_s", "time/wait_rollouts_s",
-}
