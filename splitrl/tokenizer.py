@@ -161,8 +161,8 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
     without, `AutoTokenizer` chooses the class. Both end in the same ``from_pretrained`` of the
     same class when the name is the one AutoTokenizer chose (:func:`exported_class_name`). The
     difference is the cost: AutoTokenizer resolves through `transformers`' config module, which
-    imports torch whenever torch is installed (~3 s of CPU in every process), and a named class
-    does not."""
+    imports torch whenever torch is installed (seconds of CPU in every process, measured by
+    bench/startup_tricks.py), and a named class does not."""
     from splitrl.model_path import hub_error, incomplete, local_dir, missing_files
 
     local = local_dir(path)
@@ -217,7 +217,7 @@ def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str | None:
 def remembered_tokenizer_class(model_dir: str | os.PathLike) -> str | None:
     """The class AutoTokenizer chose for this checkpoint's tokenizer files under this
     transformers version, if a launcher resolved it before (:func:`remember_tokenizer_class`);
-    else None. Resolving costs a torch import (~3 s); reading this, a hash of a few files."""
+    else None. Resolving costs a torch import; reading this, a hash of a few files."""
     from splitrl.user_cache import read_json
 
     key = tokenizer_fingerprint(model_dir)

@@ -411,10 +411,10 @@ def _run(args: argparse.Namespace) -> int:
 
 # Commands whose process has closed everything it owns when the command returns (checkpoints
 # written, exports and metrics flushed, trackers finished, servers stopped, the services a
-# launcher started waited for): the process then leaves without the interpreter's teardown.
-# jax's exit hook (clear every backend and compilation cache) and the finalisation of a process
-# holding jax, flax, XLA's client (or, in the launcher, torch and transformers) took 1-3 s per
-# process here, on memory the OS frees at once; `splitrl up` waits for every service.
+# launcher started waited for): the process then leaves without the interpreter's teardown
+# (jax's exit hook clearing every backend and compilation cache, the finalisation of jax,
+# flax and XLA's client), which frees nothing the OS does not free at once and delays every
+# `splitrl up`, which waits for each service (bench/startup_tricks.py measures it).
 NO_TEARDOWN = frozenset({"trainer", "sampler", "up", "demo"})
 
 

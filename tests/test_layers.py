@@ -1,4 +1,4 @@
-"""The layers hold (docs/DESIGN principle 11): the core ``splitrl`` imports no service and not
+"""The layers hold (DESIGN.md principle 11): the core ``splitrl`` imports no service and not
 the application; ``sampler_service``, ``reward_service`` and ``trainer_service`` never import
 each other; the application ``splitrl_app`` may import everything. The contract is
 ``[tool.importlinter]`` in pyproject.toml, checked by import-linter's ``lint-imports`` over every

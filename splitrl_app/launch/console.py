@@ -16,6 +16,7 @@ from splitrl_app.plots import load_matplotlib_in_background
 if TYPE_CHECKING:
     from splitrl_app.launch.supervisor import Launcher
 
+
 def say(message: str) -> None:
     print(message, flush=True)
 
