@@ -115,15 +115,11 @@ docker run --rm --entrypoint sh "$SPLITRL_IMAGE" -c \
   'test ! -e /opt/build-ca && test ! -e /etc/pip.conf' || die "the build's CA bundle is in the image"
 
 # -- helpers for a run --------------------------------------------------------------------------
-write_override() {  # steps checkpoint_every
-  # trainer.steps on the samplers too: the trainer refuses a sampler whose steps differ.
+write_override() {  # steps checkpoint_every (the trainer's alone: samplers take any version)
   cat > "$WORK/override.yaml" <<EOF
 services:
   trainer:
     command: ["trainer", "trainer.steps=$1", "trainer.checkpoint.every=$2"]
-  sampler:
-    command:
-      - exec splitrl sampler services.advertise_host=\$\$(hostname -i) trainer.steps=$1
 EOF
 }
 

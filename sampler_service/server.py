@@ -268,8 +268,7 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     graphdef, state = nnx.split(model)
     mesh = build_mesh(sampler.mesh)
     weights = WeightStore.from_state(model.config, state, mesh, strategy=sampler.mesh.strategy,
-                                     max_chunk_bytes=sampler.max_chunk_bytes,
-                                     max_version=config.trainer.steps)
+                                     max_chunk_bytes=sampler.max_chunk_bytes)
     del model, state
     if config.model.lora is not None:  # adapter pushes are merged into the checkpoint's weights
         from splitrl.models.hf_io import checkpoint_fingerprint

@@ -7,11 +7,11 @@ batch, so a push never changes weights under a running generation.
 A push is a :class:`PushSession` (:meth:`WeightStore.begin_push`), whichever transport carries
 it (gRPC ``PushWeights`` through :meth:`WeightStore.apply_push`, or the bulk data plane):
 
-1. the header is checked first: the version must lie in [0, ``max_version``] (``trainer.steps``:
-   a trainer of this run makes at most one version per step) and be newer than the serving one
-   (else FAILED_PRECONDITION) unless ``header.reset`` (a trainer resumed from a checkpoint rolls
-   samplers back; always a full push); a delta push (``header.base_id``) must name the weights
-   this sampler serves;
+1. the header is checked first: the version must not be negative and must be newer than the
+   serving one (else FAILED_PRECONDITION) unless ``header.reset`` (a trainer resumed from a
+   checkpoint rolls samplers back; always a full push); a delta push (``header.base_id``) must
+   name the weights this sampler serves. No upper bound: versions only grow and pushes are
+   authenticated, so a run resumed with more steps keeps its samplers;
 2. every chunk is verified by :class:`splitrl.wire.ChunkAssembler` (names, dtypes, shapes,
    regions, offsets, duplicates, CRC-32C; deltas decoded against the served bytes) and
    assembled on the host one tensor at a time;
@@ -269,13 +269,11 @@ class WeightStore:
         *,
         version: int = 0,
         max_chunk_bytes: int,
-        max_version: int | None = None,
     ):
         self.config = config
         self.mesh = mesh
         self.shardings = dict(shardings)
         self.max_chunk_bytes = max_chunk_bytes
-        self.max_version = max_version
         flat = hf_from_state(state)
         self.manifest = {n: (wire.dtype_name(a.dtype), tuple(a.shape)) for n, a in flat.items()}
         # The blocks of each tensor the devices hold: a push is assembled in these.
@@ -299,13 +297,13 @@ class WeightStore:
     @classmethod
     def from_state(cls, config: TransformerConfig, state: nnx.State, mesh: Mesh, *,
                    strategy: str | None = None, version: int = 0,
-                   max_chunk_bytes: int, max_version: int | None = None) -> WeightStore:
+                   max_chunk_bytes: int) -> WeightStore:
         """Place ``state`` on ``mesh`` with the partition rules' shardings for ``strategy``."""
         flat = hf_from_state(state)
         shardings = param_shardings(mesh, {n: a.shape for n, a in flat.items()}, strategy)
         placed = {n: jax.device_put(a, shardings[n]) for n, a in flat.items()}
         return cls(config, state_from_hf(config, placed), mesh, shardings, version=version,
-                   max_chunk_bytes=max_chunk_bytes, max_version=max_version)
+                   max_chunk_bytes=max_chunk_bytes)
 
     def keep_base(self, fingerprint: str) -> None:
         """Keep the weights serving now (the checkpoint's, before any push) as the base that
@@ -398,10 +396,6 @@ class WeightStore:
         if header.version < 0:
             raise WireError(invalid, f"push version {header.version} is negative; versions "
                             "count the trainer's updates from 0")
-        if self.max_version is not None and header.version > self.max_version:
-            raise WireError(invalid, f"push version {header.version} is beyond trainer.steps "
-                            f"{self.max_version}: a trainer of this run makes at most one "
-                            "weight version per step (is this sampler's config the trainer's?)")
         if header.reset and header.base_id:
             raise WireError(invalid, f"push version {header.version} is a reset and a delta "
                             f"(base_id {header.base_id!r}); a reset must be a full push")

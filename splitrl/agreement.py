@@ -1,22 +1,23 @@
 """What a trainer and its samplers must agree on, compared when a sampler registers.
 
 Services started by hand (or each from its own Kubernetes ConfigMap) can be given different
-configs. Some differences never matter (a sampler's batch size); some make the run stall or
-train on the wrong thing: a sampler that refuses every push because its ``trainer.steps`` is
-smaller, one that serves another architecture, vocabulary or tokenizer. Each side describes
-itself with :func:`agreed_settings` (the sampler in ``GetInfo.agreed``, the trainer from its
-own config, model and tokenizer), and the trainer refuses a sampler whose settings differ,
-naming every differing key (:func:`differences`), before it gets a push or a prompt.
+configs. Some differences never matter (a sampler's batch size); some make the run train on
+the wrong thing: a sampler that serves another architecture, vocabulary or tokenizer, or ends
+completions at other stop tokens. Each side describes itself with :func:`agreed_settings` (the
+sampler in ``GetInfo.agreed``, the trainer from its own config, model and tokenizer), and the
+trainer refuses a sampler whose settings differ, naming every differing key
+(:func:`differences`), before it gets a push or a prompt.
 
-The keys: the config fields the sampler itself enforces or falls back on (``trainer.steps``:
-the highest push version it accepts; ``sampling.stop_token_ids``: its stop tokens when a
-request names none; ``sampling.stop_strings``: where it ends a completion; ``environment``:
-the multi-turn episodes it runs), the model's
-architecture and every ``config.json`` field that shapes it (``model.vocab_size``,
+The keys: the config fields the sampler itself falls back on (``sampling.stop_token_ids``: its
+stop tokens when a request names none; ``sampling.stop_strings``: where it ends a completion;
+``environment``: the multi-turn episodes it runs), the model's architecture and every
+``config.json`` field that shapes it (``model.vocab_size``,
 ``model.num_hidden_layers``...; not its dtype: a sampler may serve bf16 from f32 weights) and
 ``tokenizer``, a fingerprint of the tokenizer as loaded (vocabulary, special tokens, chat
-template). Weights are not compared: a sampler of the same model with
-other weights is reset to the trainer's by its first push.
+template). Weights are not compared: a sampler of the same model with other weights is reset
+to the trainer's by its first push. Nor is the run's length (``trainer.steps``): a sampler
+takes any newer version its trainer pushes (pushes are authenticated and versions only grow),
+so a run resumed with more steps keeps its samplers.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def agreed_settings(config: Any, model_config: Any, tokenizer: Any) -> dict[str,
     ``config`` is the service's :class:`splitrl.config.Config`, ``model_config`` the loaded
     model's :class:`splitrl.models.ModelConfig`."""
     out = {
-        "trainer.steps": str(config.trainer.steps),
         "sampling.stop_token_ids": json.dumps(list(config.sampling.stop_token_ids)),
         "sampling.stop_strings": json.dumps(list(config.sampling.stop_strings)),
         "tokenizer": tokenizer_identity(tokenizer),

@@ -60,8 +60,8 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
         # A sampler started mid-run registers itself, receives the weights, then gets work.
         # The trainer is paused while the newcomer starts (tens of seconds of imports and
         # compilation), so the run cannot end before it is up, however loaded the machine.
-        # Beside it, a sampler started by hand with another trainer.steps (issue 31, 2): it
-        # must be refused when it registers, naming the key, and never get work.
+        # Beside it, a sampler started by hand with other stop tokens (issue 31, 2): it must
+        # be refused when it registers, naming the key, and never get work.
         trainer = launcher.procs["trainer"]
         trainer.send_signal(signal.SIGSTOP)
         try:
@@ -70,7 +70,8 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
             launcher.ports.append(stranger_port)  # released when the launch stops
             stranger = f"127.0.0.1:{stranger_port}"
             launcher.start("sampler-3", "sampler", [f"services.sampler_port={stranger_port}",
-                                                    "run_name=stranger", "trainer.steps=999"],
+                                                    "run_name=stranger",
+                                                    "sampling.stop_token_ids=[5]"],
                            cfg.sampler.mesh.devices_needed())
             launcher.wait_healthy("sampler-2", newcomer)
             launcher.wait_healthy("sampler-3", stranger)
@@ -86,8 +87,8 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
 
         status = wait_for(newcomer_ready, 300, "the new sampler to be ready", launcher)
         refusal = (f"sampler {stranger} refused: its settings differ from the trainer's (start "
-                   "it with the trainer's config and model): trainer.steps: trainer 150, "
-                   "sampler 999")
+                   "it with the trainer's config and model): sampling.stop_token_ids: "
+                   "trainer [], sampler [5]")
         wait_for(lambda: refusal in (launcher.log_dir / "trainer.log").read_text(), 120,
                  "the stranger's refusal", launcher)
         assert "the trainer refused this sampler" in (

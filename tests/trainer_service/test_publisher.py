@@ -220,20 +220,20 @@ def test_a_stopped_sampler_does_not_hold_the_push_and_catches_up(samplers, param
 
 
 def test_a_push_refused_for_good_drops_the_sampler_at_once(samplers, params):
-    """A refusal every later push would get too (a version beyond the sampler's trainer.steps,
-    100: another config) is not retried or waited out: the sampler is refused and dropped with
-    the reason, and the pool says the run cannot make progress."""
+    """A refusal every later push would get too (INVALID_ARGUMENT: here a negative version,
+    which no sampler takes) is not retried or waited out: the sampler is refused and dropped
+    with the reason, and the pool says the run cannot make progress."""
     target = samplers[1]
     pool = _pool([target.address])
     publisher = WeightPublisher(pool, auth=AUTH, push=PushConfig(timeout_s=120))
     try:
-        [result] = publisher.push_all(params, 101)
+        [result] = publisher.push_all(params, -1)
         assert result.code == grpc.StatusCode.INVALID_ARGUMENT, result
-        assert "beyond trainer.steps 100" in result.error
+        assert "push version -1 is negative" in result.error
         assert pool.all() == []
         stalled = pool.stalled()
         assert stalled.startswith(f"every sampler was refused: {target.address}: it refused "
-                                  "push version 101") and "trainer.steps 100" in stalled
+                                  "push version -1") and "is negative" in stalled
     finally:
         publisher.close()
         pool.stop()

@@ -23,10 +23,10 @@ does not need whole. ``trainer.push`` (docs/weight-sync.md) chooses how the byte
 
 A sampler that answers FAILED_PRECONDITION (it serves a newer version, or another base) is
 pushed again at once as a full reset to exactly our weights. One that answers
-INVALID_ARGUMENT refuses what any push of ours would be (a version beyond its
-``trainer.steps``, parameters it does not have): waiting cannot help, so it is refused and
-dropped from the pool at once, with its reason on the console. Sampler state changes only through
-the pool (``mark_ready``, ``report_ok``, ``report_failure``, ``weights_unknown``, ``remove``).
+INVALID_ARGUMENT refuses what any push of ours would be (parameters it does not have, a
+negative version): waiting cannot help, so it is refused and dropped from the pool at once,
+with its reason on the console. Sampler state changes only through the pool (``mark_ready``,
+``report_ok``, ``report_failure``, ``weights_unknown``, ``remove``).
 """
 
 from __future__ import annotations
