@@ -176,7 +176,8 @@ def test_tpu_train_step_memory_report_counts_the_model_parameters(tpu_reports,
 
 
 @needs_libtpu
-def test_tpu_decode_memory_report_has_parameters_and_kv_cache(tpu_reports, one_layer_config):
+def test_tpu_sampler_report_has_parameters_and_a_kv_cache_updated_in_place(tpu_reports,
+                                                                           one_layer_config):
     r = tpu_reports["sampler"]
     assert r.target.device_kind == "TPU v5 lite" and r.mesh == {"tensor": 2}
     m = r.measurement
@@ -193,6 +194,11 @@ def test_tpu_decode_memory_report_has_parameters_and_kv_cache(tpu_reports, one_l
     # The compiler's own count of decode's inputs: the weights and the cache (+ row inputs).
     held = m.categories["parameters"] + m.categories["kv cache"]
     assert held <= decode.arguments <= 2 * held
+    # The cache is donated and written in place by admit and through decode's loop: neither
+    # holds a second copy of it (in the compiler's own layout, that was all of it again).
+    admit = next(p for p in m.programs if p.name == "admit")
+    for program in (admit, decode):
+        assert program.temporaries < m.categories["kv cache"] / 2, program
     assert m.peak == sum(m.categories.values()) < r.target.hbm_bytes
 
 
