@@ -34,9 +34,10 @@ class Collected:
 
 
 class PromptFeed:
-    """Draws prompts from ``data`` into ``queue`` and collects a step's groups. Owns
-    ``drawn``, the prompts drawn so far (every work item's seq and uid; saved with the data
-    cursor in a checkpoint)."""
+    """Draws prompts from ``data`` into ``queue`` and collects a step's groups. Owns the
+    data position a checkpoint saves (:meth:`cursor`): the stream's cursor, ``drawn`` (the
+    prompts drawn so far: every work item's seq and uid) and the prompts drawn but not yet
+    trained on."""
 
     def __init__(self, cfg: Config, data: PromptStream, queue: RolloutQueue,
                  stop: threading.Event):
@@ -103,3 +104,26 @@ class PromptFeed:
             log.warning("prompt dropped: a sampler refused it twice",
                         extra={"uid": item.uid, "reason": reason})
         return out
+
+    def cursor(self, holding: Collected | None = None) -> dict:
+        """The data position for a checkpoint: the stream's cursor, the prompts drawn, and the
+        unfinished ones (queued, in flight or buffered, and ``holding``: a step's rollouts
+        taken from the queue and not yet in the audit trail), earliest drawn first."""
+        unfinished = self.queue.unfinished(TRAIN)
+        if holding is not None:
+            unfinished = sorted(unfinished + [g.item for g in holding.groups + holding.filtered]
+                                + [item for item, _ in holding.dropped], key=lambda i: i.seq)
+        return {
+            "stream": self.data.state_dict(),
+            "drawn": self.drawn,
+            "unfinished": [i.to_json() for i in unfinished],
+        }
+
+    def restore(self, cursor: dict) -> int:
+        """Back to a checkpoint's data position: the stream's cursor and the prompts drawn,
+        the unfinished prompts queued first; returns how many were queued again."""
+        self.data.load_state_dict(cursor["stream"])
+        self.drawn = int(cursor["drawn"])
+        unfinished = [WorkItem.from_json(d) for d in cursor["unfinished"]]
+        self.queue.add(sorted(unfinished, key=lambda i: i.seq))
+        return len(unfinished)

@@ -61,7 +61,7 @@ from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.parts import build_leader_parts
 from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
-from trainer_service.orchestration.rollouts import EVAL, TRAIN, WorkItem
+from trainer_service.orchestration.rollouts import EVAL
 from trainer_service.prompt_feed import Collected, PromptFeed
 from trainer_service.resume import check_resume
 from trainer_service.step_metrics import LOGGED, rollout_metrics
@@ -304,15 +304,12 @@ class TrainerRun:
         if not self.hosts.is_leader:
             return  # the data cursor is the leader's
         self.queue.set_version(self.version)
-        cursor = ckpt.data_cursor
-        self.data.load_state_dict(cursor["stream"])
-        self.feed.drawn = int(cursor["drawn"])
-        unfinished = [WorkItem.from_json(d) for d in cursor["unfinished"]]
-        self.queue.add(sorted(unfinished, key=lambda i: i.seq))
+        requeued = self.feed.restore(ckpt.data_cursor)
         rolled_back = self.audit.roll_back_to(self.step)
         log.info("resumed from checkpoint", extra={
-            "step": self.step, "version": self.version, "data_cursor": cursor["stream"],
-            "requeued": len(unfinished), "rolled_back_records": rolled_back})
+            "step": self.step, "version": self.version,
+            "data_cursor": ckpt.data_cursor["stream"], "requeued": requeued,
+            "rolled_back_records": rolled_back})
         if skipped:
             newest = skipped[0][0]
             log.warning(
@@ -326,16 +323,7 @@ class TrainerRun:
         prompts drawn but not yet trained on (queued, in flight or buffered)."""
         if not (force or self.checkpointer.should_save(self.step)):
             return
-        unfinished = self.queue.unfinished(TRAIN)
-        if self._holding is not None:
-            held = self._holding
-            unfinished = sorted(unfinished + [g.item for g in held.groups + held.filtered]
-                                + [item for item, _ in held.dropped], key=lambda i: i.seq)
-        cursor = {
-            "stream": self.data.state_dict(),
-            "drawn": self.feed.drawn,
-            "unfinished": [i.to_json() for i in unfinished],
-        }
+        cursor = self.feed.cursor(self._holding)
         self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
         self.checkpointer.save(self.step, self.learner.train_state(),
                                weight_version=self.version, data_cursor=cursor,
