@@ -5,7 +5,6 @@ a configured address is probed."""
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -145,8 +144,8 @@ def test_a_sampler_restarted_at_the_same_address_is_synced_again(sampler):
 
 def test_a_join_push_in_progress_does_not_delay_detecting_a_dead_sampler():
     """A join push waits for the params, held through a train step (then takes a full push):
-    meanwhile the pool still probes, and a sampler that dies is dropped within
-    ``services.sampler_timeout_s`` (plus a heartbeat), not after the push."""
+    meanwhile the pool still probes, and a sampler that dies is dropped after
+    ``services.sampler_timeout_s`` as usual, not after the push."""
     joining, dying = (ScriptedSampler(name, Script()).start() for name in ("joining", "dying"))
     services = ServicesConfig(sampler_addresses=[joining.address, dying.address],
                               sampler_timeout_s=1.0, heartbeat_s=0.1)
@@ -168,12 +167,11 @@ def test_a_join_push_in_progress_does_not_delay_detecting_a_dead_sampler():
         assert waiting.wait(30), "no join push started"
         wait_until(lambda: len(p.all()) == 2, timeout_s=30, what="both samplers known")
         dying.stop()
-        died = time.monotonic()
-        wait_until(lambda: dying.address not in [h.address for h in p.all()], timeout_s=30,
+        # Dropped while the join push is held (it is held until the test ends): detection
+        # does not wait for a push. Usually within the timeout plus a probe (a refused
+        # connection fails at once); the bound below only ends the wait of a failing test.
+        wait_until(lambda: dying.address not in [h.address for h in p.all()], timeout_s=60,
                    what="the dead sampler dropped")
-        # Detection as usual: the timeout, a heartbeat, and a probe's failed call (a refused
-        # connection fails at once); far under the 30 s the push is still held.
-        assert time.monotonic() - died < services.sampler_timeout_s + 5.0
         assert p.get(joining.address).state == "syncing"  # its push is still under way
     finally:
         train_step.release()
