@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fresh_python import python_prints
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("splitrl", "sampler_service", "reward_service", "trainer_service", "splitrl_app")
 
@@ -57,3 +59,17 @@ def test_an_import_across_the_layers_breaks_the_contract(tmp_path):
     assert "0 kept, 1 broken" in proc.stdout, proc.stdout
     for module in CROSSINGS:
         assert module.removesuffix(".py").replace("/", ".") in proc.stdout, proc.stdout
+
+
+def test_a_sampler_started_by_the_splitrl_command_loads_no_other_service():
+    # The command's module imports its commands lazily: a sampler image runs `splitrl sampler`
+    # without the trainer's or the reward service's code.
+    code = ("import sys\n"
+            "def loaded():\n"
+            "    return sorted({m.split('.')[0] for m in sys.modules} & {"
+            "'sampler_service', 'reward_service', 'trainer_service'})\n"
+            "import splitrl_app.cli\n"
+            "print(loaded())\n"
+            "import sampler_service.server\n"
+            "print(loaded())\n")
+    assert python_prints(code) == ["[]", "['sampler_service']"]
