@@ -2,12 +2,15 @@
 
 Items that share a ``group_id`` (a prompt's completions) are scored in one call of each
 function, as TRL and EasyDeL call reward functions; an item without one is a call of its own.
+A function entry named like a ``reward.models`` entry scores with that reward model
+(``reward_models.py``), in this process and alongside the workers' calls.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,10 +99,14 @@ def specs_from_config(cfg: RewardConfig) -> list[FunctionSpec]:
     return [spec for spec, _ in load_config_functions(cfg)]
 
 
-def load_config_functions(cfg: RewardConfig) -> list[tuple[FunctionSpec, RewardFunction]]:
+def load_config_functions(cfg: RewardConfig
+                          ) -> list[tuple[FunctionSpec, RewardFunction | None]]:
     """Each configured function's spec and loaded function (with its detected calling
-    convention); ValueError naming the entry that is wrong."""
-    specs, seen = [], set()
+    convention; None for a reward model's entry, which ``RewardScorer`` serves itself);
+    ValueError naming the entry that is wrong."""
+    models = {m.name for m in cfg.models}
+    specs: list[tuple[FunctionSpec, RewardFunction | None]] = []
+    seen = set()
     for i, f in enumerate(cfg.functions):
         if f.name in seen:
             raise ValueError(f"reward.functions[{i}].name: {f.name!r} is configured twice")
@@ -107,6 +114,12 @@ def load_config_functions(cfg: RewardConfig) -> list[tuple[FunctionSpec, RewardF
         timeout = f.timeout_s if f.timeout_s is not None else cfg.timeout_s
         if timeout <= 0:
             raise ValueError(f"reward.functions[{i}].timeout_s: expected > 0, got {timeout}")
+        if f.name in models:
+            if f.options:
+                raise ValueError(f"reward.functions[{i}].options: {f.name!r} is a reward model "
+                                 "(reward.models); its settings go there")
+            specs.append((FunctionSpec(f.name, f.weight, float(timeout), {}), None))
+            continue
         try:
             fn = resolve(f.name, f.options)
         except ValueError as e:
@@ -118,25 +131,44 @@ def load_config_functions(cfg: RewardConfig) -> list[tuple[FunctionSpec, RewardF
 
 
 class RewardScorer:
-    """Scores items with the configured functions in isolated workers."""
+    """Scores items with the configured functions in isolated workers, and with the
+    configured reward models on this process's devices."""
 
     def __init__(self, cfg: RewardConfig, *, start_method: str = "forkserver",
                  on_event: Callable[[str, str], None] | None = None):
         loaded = load_config_functions(cfg)
         self.specs = [spec for spec, _ in loaded]
-        self.styles = {spec.name: fn.signature for spec, fn in loaded}
+        self.styles = {spec.name: fn.signature.style if fn else "model" for spec, fn in loaded}
         for spec, fn in loaded:
             log.info("reward function loaded", extra={
-                "function": spec.name, "style": fn.style, "signature": fn.signature.text,
-                "weight": spec.weight, "timeout_s": spec.timeout_s})
+                "function": spec.name, "style": self.styles[spec.name],
+                "signature": fn.signature.text if fn else "", "weight": spec.weight,
+                "timeout_s": spec.timeout_s})
         self._index = {s.name: i for i, s in enumerate(self.specs)}
-        self.pool = WorkerPool(self.specs, cfg.workers, kill_grace_s=cfg.kill_grace_s,
+        pooled = [spec for spec, fn in loaded if fn is not None]
+        self._pool_index = {spec.name: i for i, spec in enumerate(pooled)}
+        # Workers first: the forkserver must start before JAX and gRPC create their threads.
+        self.pool = WorkerPool(pooled, cfg.workers, kill_grace_s=cfg.kill_grace_s,
                                memory_mb=cfg.worker_memory_mb, start_method=start_method,
-                               on_event=on_event)
+                               on_event=on_event) if pooled else None
+        self.models: dict[str, Any] = {}
+        try:
+            if cfg.models:
+                from reward_service.reward_models import RewardModel
+
+                for m in cfg.models:
+                    self.models[m.name] = RewardModel(m, cfg.mesh)
+                    log.info("reward model loaded", extra={"model": m.name, "path": m.path})
+        except BaseException:
+            self.close()
+            raise
+        self._model_threads = ThreadPoolExecutor(max(1, len(self.models)) * 4,
+                                                 thread_name_prefix="reward-model-call")
 
     def describe(self) -> list[tuple[FunctionSpec, str, str]]:
         """(spec, description, calling convention) of each configured function."""
-        return [(s, describe(s.name), self.styles[s.name].style) for s in self.specs]
+        return [(s, f"reward model {self.models[s.name].cfg.path}" if s.name in self.models
+                 else describe(s.name), self.styles[s.name]) for s in self.specs]
 
     def select(self, names: Sequence[str]) -> list[int]:
         """Indices of the requested functions (all configured ones when ``names`` is empty)."""
@@ -155,18 +187,26 @@ class RewardScorer:
     def score(self, items: Sequence[Item], functions: Sequence[str] = (),
               cancelled: Callable[[], bool] | None = None) -> list[ItemResult]:
         chosen = self.select(functions)
+        payloads = [item.payload() for item in items]  # shared: pickled once per chunk
+        outcome_of: dict[tuple[int, int], Any] = {}
+        by_model = {fn: self._model_threads.submit(
+                        self.models[self.specs[fn].name].score, payloads, cancelled)
+                    for fn in chosen if self.specs[fn].name in self.models}
+        pooled = [fn for fn in chosen if fn not in by_model]
         groups = group_items(items)
         tasks = []
         for members in groups:
-            batch = [items[i].payload() for i in members]  # shared: pickled once per chunk
-            tasks.extend((fn, batch) for fn in chosen)
-        results_per_task = self.pool.score(tasks, cancelled)
-        outcome_of: dict[tuple[int, int], Any] = {}
+            batch = [payloads[i] for i in members]
+            tasks.extend((self._pool_index[self.specs[fn].name], batch) for fn in pooled)
+        results_per_task = self.pool.score(tasks, cancelled) if tasks and self.pool else []
         for g, members in enumerate(groups):
-            for k, fn in enumerate(chosen):
-                for item_index, outcome in zip(members, results_per_task[g * len(chosen) + k],
+            for k, fn in enumerate(pooled):
+                for item_index, outcome in zip(members, results_per_task[g * len(pooled) + k],
                                                strict=True):
                     outcome_of[item_index, fn] = outcome
+        for fn, future in by_model.items():
+            for item_index, outcome in enumerate(future.result()):
+                outcome_of[item_index, fn] = outcome
         results = []
         for n, item in enumerate(items):
             scores, reasons, statuses, total = {}, {}, {}, 0.0
@@ -181,4 +221,9 @@ class RewardScorer:
         return results
 
     def close(self) -> None:
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
+        for model in self.models.values():
+            model.close()
+        if hasattr(self, "_model_threads"):
+            self._model_threads.shutdown(wait=False)

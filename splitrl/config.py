@@ -213,11 +213,44 @@ class RewardFunctionConfig(Section):
     """Keyword arguments for the function (a built-in's options: splitrl list rewards)."""
 
 
+class RewardModelConfig(Section):
+    """A reward model served by the reward service: a Hugging Face sequence-classification
+    checkpoint (`XForSequenceClassification`, score head `score.weight`) run in JAX on
+    ``reward.mesh``. A ``reward.functions`` entry with the same ``name`` scores with it, weighted
+    like any function (docs/rewards.md)."""
+
+    name: str
+    """The name a reward.functions entry uses to score with this model."""
+    path: str
+    """The checkpoint: a local Hugging Face directory (config.json, safetensors, tokenizer) or a
+    hub id (read from its cache when HF_HUB_OFFLINE is set)."""
+    label: NonNegativeInt = 0
+    """Which output of the score head is the reward (0 for a one-label reward model)."""
+    max_batch_tokens: PositiveInt = 8192
+    """Token budget of one forward: rows x padded length, filled from every waiting request."""
+    max_length: PositiveInt = 2048
+    """The longest input (prompt + completion, chat template applied) in tokens; a longer one
+    scores 0 with an error reason."""
+    use_chat_template: bool = True
+    """Render the conversation (the prompt's messages or the prompt as a user turn, then the
+    completion as the assistant turn) with the model's chat template; false, or a tokenizer
+    without one: the prompt's text followed by the completion's."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype the model computes and keeps its weights in."""
+    tokenizer_class: str | None = None
+    """The `transformers` tokenizer class (null: AutoTokenizer chooses)."""
+
+
 class RewardConfig(Section):
     functions: list[RewardFunctionConfig] = Field(
         default_factory=lambda: [RewardFunctionConfig()]
     )
     """The reward functions; a completion's reward is their weighted sum."""
+    models: list[RewardModelConfig] = Field(default_factory=list)
+    """Reward models (sequence classifiers) the reward service serves; a function entry names one
+    to score with it."""
+    mesh: MeshConfig = Field(default_factory=lambda: MeshConfig(axes={"fsdp": -1}))
+    """The reward service's device mesh, for its reward models (unused without them)."""
     workers: PositiveInt = 2
     """Scoring worker processes of the reward service."""
     timeout_s: PositiveFloat = 5.0
@@ -244,6 +277,13 @@ class RewardConfig(Section):
 
     def model_post_init(self, _context) -> None:
         names = [f.name for f in self.functions]
+        models = [m.name for m in self.models]
+        for i, name in enumerate(models):
+            if name in models[:i]:
+                raise ConfigError(f"reward.models[{i}].name: {name!r} is configured twice")
+            if name not in names:
+                raise ConfigError(f"reward.models[{i}].name: {name!r} is not used by any "
+                                  f"reward.functions entry (functions: {names})")
         if self.accuracy_function is not None and self.accuracy_function not in names:
             raise ConfigError(f"reward.accuracy_function: expected one of the configured "
                               f"functions {names}, got {self.accuracy_function!r}")

@@ -65,7 +65,7 @@ PRESETS = {
 def init_model(out_dir: str | os.PathLike, *, family: str = "qwen2", preset: str = "tiny",
                vocab: str = "default", vocab_size: int | None = None, seed: int = 0,
                dtype: str = "float32", overwrite: bool = False,
-               data_dir: str | os.PathLike | None = None) -> Path:
+               data_dir: str | os.PathLike | None = None, score_labels: int = 0) -> Path:
     """Writes a random `family` model of size `preset` and its tokenizer to `out_dir`.
 
     `vocab_size` sets the BPE size (default: the preset's); the model's vocabulary is the
@@ -74,11 +74,17 @@ def init_model(out_dir: str | os.PathLike, *, family: str = "qwen2", preset: str
     `gsm8k/` for the default vocabulary (default: `$SPLITRL_DATA_DIR`, else the hub's
     `openai/gsm8k`, see `splitrl.tasks.math_data`).
     An existing non-empty `out_dir` is refused unless `overwrite`. Returns `out_dir`.
+
+    `score_labels` > 0 writes a reward model instead: the family's sequence classifier
+    (`Qwen2ForSequenceClassification`...) with a random score head of that many labels
+    (1: a scalar reward), as `AutoModelForSequenceClassification` loads it.
     """
     from splitrl.models import TransformerConfig, init_random, save_pretrained
 
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {sorted(PRESETS)}, got {preset!r}")
+    if score_labels < 0:
+        raise ValueError(f"score_labels: expected >= 0 (0: a causal LM), got {score_labels}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
@@ -115,13 +121,38 @@ def init_model(out_dir: str | os.PathLike, *, family: str = "qwen2", preset: str
         dtype=dtype,
     )
     model = init_random(config, seed=seed, dtype=jnp.float32)
-    save_pretrained(model, out, dtype=_DTYPES[dtype])
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(_params(model)))
+    if score_labels:
+        _save_reward_model(model, out, score_labels, seed, _DTYPES[dtype])
+        n_params += config.hidden_size * score_labels - (
+            0 if config.tie_word_embeddings else config.hidden_size * config.vocab_size)
+    else:
+        save_pretrained(model, out, dtype=_DTYPES[dtype])
     info = {"family": family, "preset": preset, "vocab": str(vocab), "seed": seed,
             "dtype": dtype, "tokenizer_size": len(tokenizer), "vocab_size": config.vocab_size,
-            "num_parameters": n_params}
+            "num_parameters": n_params, "score_labels": score_labels}
     (out / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     return out
+
+
+def _save_reward_model(model, out: Path, labels: int, seed: int, dtype) -> None:
+    """``model``'s decoder under a random score head of ``labels`` outputs (drawn from
+    ``seed + 1``, apart from the decoder's draws), saved as a sequence classifier."""
+    from splitrl.models.params import hf_from_state, model_from_state, state_from_hf
+    from splitrl.models.sequence_classifier import (
+        ClassifierConfig,
+        SequenceClassifier,
+        random_score_head,
+        save_sequence_classifier,
+    )
+
+    decoder = dataclasses.replace(model.config, tie_word_embeddings=True)
+    config = ClassifierConfig(decoder, labels, model.config.tie_word_embeddings)
+    # The decoder's tensors; an untied LM head has no place in a classifier.
+    flat = {k: v for k, v in hf_from_state(_params(model)).items() if k != "lm_head.weight"}
+    backbone = model_from_state(decoder, state_from_hf(decoder, flat))
+    classifier = SequenceClassifier(config, backbone, random_score_head(config, seed + 1))
+    save_sequence_classifier(classifier, out, dtype=dtype)
 
 
 def _params(model):

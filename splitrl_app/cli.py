@@ -75,8 +75,10 @@ def _init_model(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         overwrite=args.overwrite,
+        score_labels=args.score_labels,
     )
-    print(f"wrote a random {args.family} checkpoint ({args.preset}) and tokenizer to {path}")
+    kind = "reward model" if args.score_labels else "checkpoint"
+    print(f"wrote a random {args.family} {kind} ({args.preset}) and tokenizer to {path}")
     return 0
 
 
@@ -164,9 +166,10 @@ def _list_rewards(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"  cannot load: {e}", file=sys.stderr)
         return 2
+    models = {m.name: m.path for m in cfg.reward.models}
     for spec, fn in loaded:
-        print(f"  {spec.name}  weight {spec.weight:g}, timeout {spec.timeout_s:g} s, "
-              f"{fn.signature.describe()}")
+        kind = fn.signature.describe() if fn else f"reward model {models[spec.name]}"
+        print(f"  {spec.name}  weight {spec.weight:g}, timeout {spec.timeout_s:g} s, {kind}")
     return 0
 
 
@@ -310,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--score-labels", type=int, default=0, metavar="N",
+                   help="write a reward model: the family's sequence classifier with a random "
+                   "score head of N labels (1: a scalar reward) instead of a causal LM")
     p.set_defaults(func=_init_model)
 
     p = sub.add_parser("health", help="standard gRPC health check; exit 0 when SERVING, 1 "

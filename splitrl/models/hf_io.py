@@ -79,7 +79,24 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=N
     path = checkpoint_dir(path)
     config = load_config(path)
     param_dtype = dtype if param_dtype is None else param_dtype
+    flat, _ = read_params(path, config, param_dtype=param_dtype, shardings=shardings)
+    try:
+        state = state_from_hf(config, flat)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: {e}") from None
+    return model_from_state(config, state, dtype)
+
+
+def read_params(path: Path, config: TransformerConfig, *, param_dtype,
+                shardings: Mapping[str, jax.sharding.Sharding] | None = None,
+                extra: Mapping[str, tuple[int, ...]] | None = None
+                ) -> tuple[dict[str, jax.Array], dict[str, np.ndarray]]:
+    """The decoder parameters of a checkpoint directory in model layout, placed by
+    ``shardings``, and the ``extra`` tensors beside them (a task head such as a sequence
+    classifier's ``score.weight``) as stored, each checked against its torch-layout shape.
+    Any other missing or unknown tensor raises a ValueError naming it."""
     shardings = shardings or {}
+    extra = dict(extra or {})
     try:
         files = {}  # HF name -> its file
         for file, names in _weight_files(Path(path)).items():
@@ -87,7 +104,11 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=N
                 with safe_open(str(file), framework="numpy") as f:
                     names = list(f.keys())
             files.update({name: file for name in names if not _ignored(config, name)})
-        check_checkpoint_names(config, files)
+        missing_extra = sorted(set(extra) - set(files))
+        if missing_extra:
+            raise ValueError(f"missing {missing_extra} (a {config.family} model with a task "
+                             "head has them beside the decoder's tensors)")
+        check_checkpoint_names(config, [name for name in files if name not in extra])
         with contextlib.ExitStack() as stack:
             handles = {file: stack.enter_context(safe_open(str(file), framework="numpy"))
                        for file in set(files.values())}
@@ -102,10 +123,16 @@ def from_pretrained(path: str | os.PathLike, dtype=jnp.float32, *, param_dtype=N
                 host = (read(name) if layers == [name]
                         else np.stack([read(layer) for layer in layers]))
                 flat[name] = place(host, shardings.get(name))
-        state = state_from_hf(config, flat)
+            heads = {}
+            for name, shape in extra.items():
+                tensor = handles[files[name]].get_tensor(name)
+                if tuple(tensor.shape) != tuple(shape):
+                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(shape)}")
+                heads[name] = np.asarray(tensor).astype(param_dtype)
     except ValueError as e:
         raise ValueError(f"checkpoint {path}: {e}") from None
-    return model_from_state(config, state, dtype)
+    return flat, heads
 
 
 def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
@@ -121,15 +148,23 @@ def save_pretrained(model: CausalLM, path: str | os.PathLike, *, dtype=None,
     tensors = hf_state_dict(model, dtype)  # host arrays: written from the host anyway
     stored = jnp.dtype(next(iter(tensors.values())).dtype).name
     config = model.config
-    (out / "config.json").write_text(json.dumps(config.to_hf_dict(stored), indent=2) + "\n")
+    write_config(out, config.to_hf_dict(stored))
     gen = {"bos_token_id": config.bos_token_id, "eos_token_id": config.to_hf_dict()["eos_token_id"],
            "pad_token_id": config.pad_token_id}
     gen = {k: v for k, v in gen.items() if v is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    _write_weights(out, tensors, max_shard_bytes)
+    write_weights(out, tensors, max_shard_bytes)
 
 
-def _write_weights(out: Path, tensors: dict, max_shard_bytes: int) -> None:
+def write_config(out: Path, config: dict) -> None:
+    """``config.json`` of a checkpoint directory."""
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_weights(out: Path, tensors: dict, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+                  ) -> None:
+    """Torch-layout host tensors as ``model.safetensors``, or as shards of at most
+    ``max_shard_bytes`` with ``model.safetensors.index.json``; stale weight files go first."""
     shards: list[dict] = [{}]
     size = 0
     for name in sorted(tensors):
