@@ -72,6 +72,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.worker = worker
         self.address = address
         self.data_address = ""
+        self.http_port: int | None = None  # the OpenAI-compatible HTTP API's, when served
         self.instance_id = uuid.uuid4().hex  # this process, whatever address reaches it
         # What a trainer must have equal to take this sampler (checked at its registration).
         self.agreed = agreed_settings(config, weights.config, worker.tokenizer)
@@ -320,9 +321,16 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
                           idle_timeout_s=sampler.push_idle_timeout_s).start()
         server.on_stop.append(lambda grace: data.stop(grace))
         intake.data_address = servicer.data_address = f"{advertised_host(config)}:{data.port}"
+    if sampler.http_port is not None:
+        from sampler_service.openai_http import OpenAIFront
+
+        front = OpenAIFront(worker, model_name=sampler.served_model_name or config.model.path,
+                            auth=config.services.auth)
+        servicer.http_port = front.start(config.services.host, sampler.http_port)
+        server.on_stop.append(lambda grace: front.stop(grace))
     log.info("sampler ready", extra={
         "address": servicer.address, "data_address": servicer.data_address,
-        "sampler_id": worker.sampler_id, "dtype": dtype.name,
+        "http_port": servicer.http_port, "sampler_id": worker.sampler_id, "dtype": dtype.name,
         "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.devices.shape), strict=True)),
         "devices": jax.device_count(), "params": len(weights.manifest),
         "max_batch_size": engine.max_batch_size, "kv_cache_bytes": engine.kv_cache_budget_bytes,
@@ -408,7 +416,8 @@ def main(config: Config) -> int:
     set_context(weight_version=servicer.weights.version, sampler_id=servicer.sampler_id)
     print(json.dumps({"event": "listening", "service": "sampler", "address": server.address,
                       "advertised": servicer.address, "port": server.port,
-                      "metrics_port": metrics_port}), flush=True)
+                      "http_port": servicer.http_port, "metrics_port": metrics_port}),
+          flush=True)
     registration = None
     if config.sampler.register_with_trainer and config.services.trainer_address:
         registration = TrainerRegistration(config, servicer).start()

@@ -664,11 +664,18 @@ class SamplerConfig(Section):
     push_idle_timeout_s: PositiveFloat = 30.0
     """A push (either transport) that sends nothing for this long is abandoned, releasing the push
     lock; a relay declares its next sampler gone after this long without a word."""
+    http_port: NonNegativeInt | None = None
+    """The OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models;
+    docs/sampler.md): its TCP port on services.host (0: any free port), or None for none."""
+    served_model_name: str | None = None
+    """The model's name on the HTTP API (the "model" field of requests and /v1/models; null:
+    model.path)."""
 
     def model_post_init(self, _context) -> None:
-        if self.data_port is not None and self.data_port > 65535:
-            raise ConfigError(f"sampler.data_port: expected a TCP port <= 65535, got "
-                              f"{self.data_port}")
+        for key in ("data_port", "http_port"):
+            port = getattr(self, key)
+            if port is not None and port > 65535:
+                raise ConfigError(f"sampler.{key}: expected a TCP port <= 65535, got {port}")
 
 
 class AuthConfig(Section):

@@ -99,7 +99,8 @@ def sampler(tmp_path_factory, arith_model, reward, trainer):
         "sampling": {"max_new_tokens": 6},
         "sampler": {"max_batch_size": 8, "max_sequence_length": 48,
                     "max_chunk_bytes": MAX_CHUNK, "sampler_id": "sampler-under-test",
-                    "mesh": {"axes": {"tensor": 2}, "strategy": "tp"}},
+                    "mesh": {"axes": {"tensor": 2}, "strategy": "tp"}, "http_port": 0,
+                    "served_model_name": "tiny-arith"},
         "services": {"host": "127.0.0.1", "sampler_port": 0, "metrics_port": 0,
                      "reward_address": reward[0].address, "auth": {"token": TOKEN},
                      "trainer_address": trainer[0].address, "heartbeat_s": 0.2},
@@ -409,6 +410,70 @@ def test_the_sampler_registers_with_the_trainer_and_heartbeats(sampler, trainer)
     while 2 not in fake.heartbeats and time.monotonic() < deadline:
         time.sleep(0.1)
     assert 2 in fake.heartbeats  # the weight version it serves now
+
+
+def _openai(proc, token=TOKEN):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{proc.listening['http_port']}/v1",
+                         api_key=token, max_retries=0, timeout=120)
+
+
+def test_openai_client_completions_return_the_tokens_of_grpc_generate(sampler):
+    proc, stub = sampler
+    greedy = common_pb2.SamplingParams(temperature=0.0, max_new_tokens=5)
+    want = stub.Generate(sampler_pb2.GenerateRequest(
+        prompts=[common_pb2.Prompt(text="1+2="), common_pb2.Prompt(text="7+5=")],
+        sampling=greedy), timeout=120)
+    client = _openai(proc)
+    got = client.completions.create(model="tiny-arith", prompt=["1+2=", "7+5="], temperature=0,
+                                    max_tokens=5)
+    assert [c.token_ids for c in got.choices] == [
+        list(o.completions[0].token_ids) for o in want.outputs]
+    assert [c.text for c in got.choices] == [o.completions[0].text for o in want.outputs]
+    assert [c.finish_reason for c in got.choices] == [
+        o.completions[0].finish_reason for o in want.outputs]
+    assert got.usage.completion_tokens == sum(len(c.token_ids) for c in got.choices)
+    assert got.weight_version == want.weight_version
+
+
+def test_openai_client_chat_completions_return_the_tokens_of_grpc_generate(sampler):
+    proc, stub = sampler
+    messages = [{"role": "user", "content": "2+2="}]
+    want = stub.Generate(sampler_pb2.GenerateRequest(
+        prompts=[common_pb2.Prompt(messages=[common_pb2.ChatMessage(**messages[0])])],
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_new_tokens=4), n=2),
+        timeout=120).outputs[0]
+    got = _openai(proc).chat.completions.create(model="tiny-arith", messages=messages,
+                                                temperature=0, max_completion_tokens=4, n=2)
+    assert [c.token_ids for c in got.choices] == [list(c.token_ids) for c in want.completions]
+    assert [c.message.content for c in got.choices] == [c.text for c in want.completions]
+    assert got.prompt_token_ids == [list(want.prompt_token_ids)]
+    assert [m.id for m in _openai(proc).models.list()] == ["tiny-arith"]
+
+
+def test_openai_http_refusals_are_typed(sampler):
+    import openai
+
+    proc, _ = sampler
+    with pytest.raises(openai.AuthenticationError) as e:
+        _openai(proc, token="wrong").completions.create(model="tiny-arith", prompt="1+2=")
+    assert e.value.status_code == 401 and e.value.code == "UNAUTHENTICATED"
+    with pytest.raises(openai.AuthenticationError):
+        _openai(proc, token="wrong").models.list()
+    client = _openai(proc)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4o", prompt="1+2=")
+    assert (e.value.code, e.value.param) == ("NOT_FOUND", "model")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-arith", prompt="1+2=", stream=True)
+    assert (e.value.code, e.value.param) == ("INVALID_ARGUMENT", "stream")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-arith", prompt="1+2=", temperature=-1)
+    assert (e.value.code, e.value.param) == ("INVALID_ARGUMENT", "temperature")
+    with pytest.raises(openai.BadRequestError) as e:  # the sampler's own check, as for gRPC
+        client.completions.create(model="tiny-arith", prompt="1+2=", n=99)
+    assert e.value.code == "INVALID_ARGUMENT"
 
 
 def test_sigterm_finishes_the_push_in_flight_then_exits(sampler):
