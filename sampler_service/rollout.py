@@ -82,7 +82,8 @@ class RewardClient:
         self.address = address
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._channel = make_channel(address, auth=auth)
+        # Reward replicas behind one name share the load (the service is stateless).
+        self._channel = make_channel(address, auth=auth, balanced=True)
         self._stub = reward_pb2_grpc.RewardStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

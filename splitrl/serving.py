@@ -439,12 +439,20 @@ def make_channel(
     address: str,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     auth: AuthConfig | None = None,
+    *,
+    balanced: bool = False,
 ) -> grpc.Channel:
     """A channel with matching size limits and the credentials of ``auth``: TLS when
     ``tls_ca`` or ``tls_cert`` is set (presenting this process's certificate when it has one:
     mutual TLS), and the token on every call when one is configured. Idempotent calls that
-    fail with UNAVAILABLE are retried by gRPC (``splitrl.retry.SERVICE_CONFIG``)."""
+    fail with UNAVAILABLE are retried by gRPC (``splitrl.retry.SERVICE_CONFIG``).
+
+    ``balanced``: calls go round-robin over every address the name resolves to (replicas of a
+    stateless service behind one DNS name: compose's ``--scale``, a headless Service), instead
+    of gRPC's default of sticking to the first."""
     options: list[tuple[str, int | str]] = list(grpc_options(max_message_bytes))
+    if balanced:
+        options.append(("grpc.lb_policy_name", "round_robin"))
     # Services start concurrently, so a peer is often dialled before it listens; gRPC's default
     # reconnect back-off (1 s growing to 120 s) would then keep the channel failing long after
     # the peer is up. Redial within a second on loopback or a cluster network.

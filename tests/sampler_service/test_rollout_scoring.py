@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -71,3 +72,38 @@ def test_a_reward_service_that_is_not_there_is_a_typed_outage():
         client.close()
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
     assert e.value.cause is Cause.REWARD_UNAVAILABLE
+
+
+def test_score_calls_go_round_robin_over_reward_replicas():
+    """Reward replicas behind one name (compose --scale, a headless Service) share the calls:
+    here two real servers, one target naming both addresses as a DNS answer would."""
+    from splitrl.serving import start_server
+    from splitrl.v1 import reward_pb2, reward_pb2_grpc
+
+    class Replica(reward_pb2_grpc.RewardServicer):
+        def __init__(self):
+            self.calls = 0
+
+        def Score(self, request, context):
+            self.calls += 1
+            return reward_pb2.ScoreReply(scores=[reward_pb2.ItemScore(item_id=i.item_id)
+                                                 for i in request.items])
+
+    replicas = [Replica(), Replica()]
+    servers = [start_server(lambda s, r=r: reward_pb2_grpc.add_RewardServicer_to_server(r, s),
+                            "127.0.0.1:0", service_names=["splitrl.v1.Reward"])
+               for r in replicas]
+    client = RewardClient(f"ipv4:{','.join(s.address for s in servers)}", timeout_s=10)
+    try:
+        # Round-robin over the replicas as each connection becomes ready (gRPC's default,
+        # pick-first, would send every call to one of them).
+        for _ in range(200):
+            client.score([reward_pb2.ScoreItem(item_id="a")], [])
+            if all(r.calls for r in replicas):
+                break
+            time.sleep(0.05)
+        assert all(r.calls for r in replicas), [r.calls for r in replicas]
+    finally:
+        client.close()
+        for s in servers:
+            s.stop(0)
