@@ -104,6 +104,7 @@ class RewardModel:
 
         self.cfg = cfg
         self.name = cfg.name
+        self.description = f"reward model {cfg.path}"
         dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cfg.dtype]
         config = load_classifier_config(cfg.path)
         if cfg.label >= config.num_labels:

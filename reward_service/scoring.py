@@ -3,7 +3,8 @@
 Items that share a ``group_id`` (a prompt's completions) are scored in one call of each
 function, as TRL and EasyDeL call reward functions; an item without one is a call of its own.
 A function entry named like a ``reward.models`` entry scores with that reward model
-(``reward_models.py``), in this process and alongside the workers' calls.
+(``reward_models.py``), one named like a ``reward.judges`` entry with that judge
+(``judges.py``): both are served in this process, alongside the workers' calls.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def specs_from_config(cfg: RewardConfig) -> list[FunctionSpec]:
 def load_config_functions(cfg: RewardConfig
                           ) -> list[tuple[FunctionSpec, RewardFunction | None]]:
     """Each configured function's spec and loaded function (with its detected calling
-    convention; None for a reward model's entry, which ``RewardScorer`` serves itself);
-    ValueError naming the entry that is wrong."""
-    models = {m.name for m in cfg.models}
+    convention; None for a reward model's or judge's entry, which ``RewardScorer`` serves
+    itself); ValueError naming the entry that is wrong."""
+    served = {m.name: "reward model" for m in cfg.models} | {
+        j.name: "judge" for j in cfg.judges}
     specs: list[tuple[FunctionSpec, RewardFunction | None]] = []
     seen = set()
     for i, f in enumerate(cfg.functions):
@@ -114,10 +116,10 @@ def load_config_functions(cfg: RewardConfig
         timeout = f.timeout_s if f.timeout_s is not None else cfg.timeout_s
         if timeout <= 0:
             raise ValueError(f"reward.functions[{i}].timeout_s: expected > 0, got {timeout}")
-        if f.name in models:
+        if f.name in served:
             if f.options:
-                raise ValueError(f"reward.functions[{i}].options: {f.name!r} is a reward model "
-                                 "(reward.models); its settings go there")
+                raise ValueError(f"reward.functions[{i}].options: {f.name!r} is a "
+                                 f"{served[f.name]}; its settings go in its own entry")
             specs.append((FunctionSpec(f.name, f.weight, float(timeout), {}), None))
             continue
         try:
@@ -132,13 +134,15 @@ def load_config_functions(cfg: RewardConfig
 
 class RewardScorer:
     """Scores items with the configured functions in isolated workers, and with the
-    configured reward models on this process's devices."""
+    configured reward models and judges in this process."""
 
     def __init__(self, cfg: RewardConfig, *, start_method: str = "forkserver",
                  on_event: Callable[[str, str], None] | None = None):
         loaded = load_config_functions(cfg)
         self.specs = [spec for spec, _ in loaded]
-        self.styles = {spec.name: fn.signature.style if fn else "model" for spec, fn in loaded}
+        kinds = {m.name: "model" for m in cfg.models} | {j.name: "judge" for j in cfg.judges}
+        self.styles = {spec.name: fn.signature.style if fn else kinds[spec.name]
+                       for spec, fn in loaded}
         for spec, fn in loaded:
             log.info("reward function loaded", extra={
                 "function": spec.name, "style": self.styles[spec.name],
@@ -151,23 +155,31 @@ class RewardScorer:
         self.pool = WorkerPool(pooled, cfg.workers, kill_grace_s=cfg.kill_grace_s,
                                memory_mb=cfg.worker_memory_mb, start_method=start_method,
                                on_event=on_event) if pooled else None
-        self.models: dict[str, Any] = {}
+        # Reward models and judges by name: each has score(payloads, cancelled) -> outcomes.
+        self.served: dict[str, Any] = {}
+        self._judge_loop = None
         try:
             if cfg.models:
                 from reward_service.reward_models import RewardModel
 
                 for m in cfg.models:
-                    self.models[m.name] = RewardModel(m, cfg.mesh)
+                    self.served[m.name] = RewardModel(m, cfg.mesh)
                     log.info("reward model loaded", extra={"model": m.name, "path": m.path})
+            if cfg.judges:
+                from reward_service.judges import Judge, JudgeLoop
+
+                self._judge_loop = JudgeLoop()
+                for j in cfg.judges:
+                    self.served[j.name] = Judge(j, self._judge_loop.loop)
         except BaseException:
             self.close()
             raise
-        self._model_threads = ThreadPoolExecutor(max(1, len(self.models)) * 4,
-                                                 thread_name_prefix="reward-model-call")
+        self._served_calls = ThreadPoolExecutor(max(1, len(self.served)) * 4,
+                                                thread_name_prefix="reward-served-call")
 
     def describe(self) -> list[tuple[FunctionSpec, str, str]]:
         """(spec, description, calling convention) of each configured function."""
-        return [(s, f"reward model {self.models[s.name].cfg.path}" if s.name in self.models
+        return [(s, self.served[s.name].description if s.name in self.served
                  else describe(s.name), self.styles[s.name]) for s in self.specs]
 
     def select(self, names: Sequence[str]) -> list[int]:
@@ -189,9 +201,9 @@ class RewardScorer:
         chosen = self.select(functions)
         payloads = [item.payload() for item in items]  # shared: pickled once per chunk
         outcome_of: dict[tuple[int, int], Any] = {}
-        by_model = {fn: self._model_threads.submit(
-                        self.models[self.specs[fn].name].score, payloads, cancelled)
-                    for fn in chosen if self.specs[fn].name in self.models}
+        by_model = {fn: self._served_calls.submit(
+                        self.served[self.specs[fn].name].score, payloads, cancelled)
+                    for fn in chosen if self.specs[fn].name in self.served}
         pooled = [fn for fn in chosen if fn not in by_model]
         groups = group_items(items)
         tasks = []
@@ -223,7 +235,9 @@ class RewardScorer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-        for model in self.models.values():
-            model.close()
-        if hasattr(self, "_model_threads"):
-            self._model_threads.shutdown(wait=False)
+        for served in self.served.values():
+            served.close()
+        if self._judge_loop is not None:
+            self._judge_loop.close()
+        if hasattr(self, "_served_calls"):
+            self._served_calls.shutdown(wait=False)

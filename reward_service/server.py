@@ -6,7 +6,8 @@ RESOURCE_EXHAUSTED when ``items`` exceeds ``reward.max_items_per_request`` or th
 metadata key or column that collides with a reserved keyword, ``columns_json`` that is not a
 JSON object, or a ``group_id`` shared by items of different prompts. Anything a completion
 contains is the workers' problem, never the server's: it scores 0 with a reason
-(``reward_service.pool``).
+(``reward_service.pool``). UNAVAILABLE when a judge could not be reached (``judges.py``): an
+outage is retried later by the caller, never scored as zeros.
 Completions that are not valid UTF-8 arrive in ``completion_raw`` and are decoded with U+FFFD
 replacement characters.
 """
@@ -20,6 +21,7 @@ import time
 import grpc
 
 from reward_service import metrics
+from reward_service.judges import UNAVAILABLE
 from reward_service.scoring import Item, RequestError, RewardScorer
 from splitrl.config import Config, RewardConfig
 from splitrl.logs import configure_logging
@@ -122,6 +124,12 @@ class RewardServicer(reward_pb2_grpc.RewardServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         results = self.scorer.score(items, request.functions,
                                     cancelled=lambda: not context.is_active())
+        outage = next(((name, r.reasons.get(name, "")) for r in results
+                       for name, status in r.statuses.items() if status == UNAVAILABLE), None)
+        if outage is not None:  # a judge is down: the reward-outage policy, not zero scores
+            metrics.REQUESTS.labels("UNAVAILABLE").inc()
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"functions: {outage[0]!r} could not score ({outage[1]}); retry later")
         reply = reward_pb2.ScoreReply()
         for r in results:
             reply.scores.add(item_id=r.item_id, scores=r.scores, total=r.total,

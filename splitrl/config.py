@@ -241,6 +241,68 @@ class RewardModelConfig(Section):
     """The `transformers` tokenizer class (null: AutoTokenizer chooses)."""
 
 
+class RewardJudgeConfig(Section):
+    """An LLM judge: a model behind an OpenAI-compatible HTTP API (a SplitRL sampler deployment
+    with sampler.http_port, vLLM, SGLang, a hosted API) whose verdict on a completion is its
+    score. A ``reward.functions`` entry with the same ``name`` scores with it
+    (``reward_service/judges.py``, docs/rewards.md)."""
+
+    name: str
+    """The name a reward.functions entry uses to score with this judge."""
+    base_url: str
+    """The API's base URL, e.g. http://judge-sampler:8001/v1."""
+    model: str
+    """The model name the endpoint serves (GET /v1/models)."""
+    api: Literal["chat", "completions"] = "chat"
+    """chat: the prompt is one user turn (/chat/completions); completions: raw text."""
+    prompt_template: str = (
+        "Question:\n{prompt}\n\nReference answer: {reference}\n\nResponse:\n{completion}"
+        "\n\nIs the response correct? Answer YES or NO.")
+    """The judge's prompt; {prompt}, {completion} and {reference} are filled in ({{ and }}
+    are literal braces)."""
+    verdict_pattern: str = r"\b(YES|NO)\b"
+    """A regex; its first group (or whole match) in the judge's reply is the verdict."""
+    verdict_scores: dict[str, float] = Field(default_factory=lambda: {"YES": 1.0, "NO": 0.0})
+    """Score of each verdict; empty: the verdict is read as a number."""
+    no_verdict_score: float | None = 0.0
+    """The score when the reply has no verdict (reason 'judge gave no verdict'); null: an error
+    (counted by the trainer's error policy)."""
+    temperature: NonNegativeFloat = 0.0
+    """Sampling temperature of the judge (0: greedy, reproducible, and safe to retry)."""
+    seed: int | None = 0
+    """Seed sent with each call (null: none); a seeded or greedy call is retried on failure."""
+    max_tokens: PositiveInt = 16
+    """The most tokens of a verdict."""
+    max_concurrency: PositiveInt = 16
+    """Calls in flight at once to this judge, per reward-service replica."""
+    request_timeout_s: PositiveFloat = 60.0
+    """Time limit of one call, in seconds."""
+    max_retries: NonNegativeInt = 3
+    """Retries of a call that failed for a reason that may pass (connection, time-out, HTTP
+    408/429/5xx), with exponential back-off; only for idempotent (greedy or seeded) calls."""
+    retry_backoff_s: PositiveFloat = 0.5
+    """The first retry's wait; each next one waits twice as long."""
+    cache_size: NonNegativeInt = 10000
+    """Answers kept for identical requests (0: only calls in flight are shared)."""
+    api_key_env: str | None = None
+    """The environment variable holding the API key (sent as a bearer token); null: none."""
+
+    def model_post_init(self, _context) -> None:
+        import re
+
+        try:
+            re.compile(self.verdict_pattern)
+        except re.error as e:
+            raise ConfigError(f"reward.judges: verdict_pattern {self.verdict_pattern!r} is not "
+                              f"a valid regex: {e}") from None
+        try:
+            self.prompt_template.format(prompt="", completion="", reference="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"reward.judges: prompt_template may use {{prompt}}, "
+                              f"{{completion}} and {{reference}} only ({{{{ and }}}} for "
+                              f"braces): {type(e).__name__}: {e}") from None
+
+
 class RewardConfig(Section):
     functions: list[RewardFunctionConfig] = Field(
         default_factory=lambda: [RewardFunctionConfig()]
@@ -251,6 +313,9 @@ class RewardConfig(Section):
     to score with it."""
     mesh: MeshConfig = Field(default_factory=lambda: MeshConfig(axes={"fsdp": -1}))
     """The reward service's device mesh, for its reward models (unused without them)."""
+    judges: list[RewardJudgeConfig] = Field(default_factory=list)
+    """LLM judges behind OpenAI-compatible HTTP APIs; a function entry names one to score with
+    its verdicts."""
     workers: PositiveInt = 2
     """Scoring worker processes of the reward service."""
     timeout_s: PositiveFloat = 5.0
@@ -277,12 +342,15 @@ class RewardConfig(Section):
 
     def model_post_init(self, _context) -> None:
         names = [f.name for f in self.functions]
-        models = [m.name for m in self.models]
-        for i, name in enumerate(models):
-            if name in models[:i]:
-                raise ConfigError(f"reward.models[{i}].name: {name!r} is configured twice")
+        served = [("models", m.name) for m in self.models] + [
+            ("judges", j.name) for j in self.judges]
+        for i, (key, name) in enumerate(served):
+            index = sum(1 for k, _ in served[:i] if k == key)
+            if name in [n for _, n in served[:i]]:
+                raise ConfigError(f"reward.{key}[{index}].name: {name!r} is configured twice "
+                                  "(reward.models and reward.judges share one namespace)")
             if name not in names:
-                raise ConfigError(f"reward.models[{i}].name: {name!r} is not used by any "
+                raise ConfigError(f"reward.{key}[{index}].name: {name!r} is not used by any "
                                   f"reward.functions entry (functions: {names})")
         if self.accuracy_function is not None and self.accuracy_function not in names:
             raise ConfigError(f"reward.accuracy_function: expected one of the configured "

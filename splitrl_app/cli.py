@@ -166,9 +166,10 @@ def _list_rewards(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"  cannot load: {e}", file=sys.stderr)
         return 2
-    models = {m.name: m.path for m in cfg.reward.models}
+    served = {m.name: f"reward model {m.path}" for m in cfg.reward.models} | {
+        j.name: f"judge {j.model} at {j.base_url}" for j in cfg.reward.judges}
     for spec, fn in loaded:
-        kind = fn.signature.describe() if fn else f"reward model {models[spec.name]}"
+        kind = fn.signature.describe() if fn else served[spec.name]
         print(f"  {spec.name}  weight {spec.weight:g}, timeout {spec.timeout_s:g} s, {kind}")
     return 0
 
