@@ -193,7 +193,9 @@ class Launcher:
         say(f"starting the reward service, {len(self.sampler_addresses)} sampler(s) and the "
             "trainer (each loads the model; the samplers compile their programs, the trainer "
             f"its train step; logs in {self.log_dir})")
-        self.start("reward", "reward", [])
+        # Devices for the reward models' mesh (none are used without reward models).
+        reward = self.cfg.reward
+        self.start("reward", "reward", [], reward.mesh.devices_needed() if reward.models else 1)
         for i, address in enumerate(self.sampler_addresses):
             self.start_sampler(i, address)
         self.start_trainer()
