@@ -53,7 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from sampler_service import metrics
-from sampler_service.kv_cache import SlotCache
+from sampler_service.kv_cache import SlotCache, layout_for
 from sampler_service.requests import (
     EngineClosed,
     GeneratedSequence,
@@ -97,7 +97,8 @@ class GenerationEngine:
                  segment_steps: int = 16, prefill_chunk_tokens: int = 8192,
                  update_in_flight: bool = False,
                  weights: Callable[[], tuple[int, nnx.State]] | None = None,
-                 dtype=jnp.float32, concurrent_batches: int = 1):
+                 dtype=jnp.float32, concurrent_batches: int = 1,
+                 decode_attention: str = "auto", kv_page_size: int = 64):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
         if max_sequence_length < 2:
@@ -117,12 +118,15 @@ class GenerationEngine:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
         self.batching = batching
+        # the cache's layout: the paged one (Pallas kernel) on TPU unless told otherwise
+        layout = layout_for(mesh, decode_attention, kv_page_size, model_config.head_dim)
         probe = SlotCache(model_config, dtype, mesh, budget_bytes=0, max_rows=max_batch_size,
-                          max_width=self.max_sequence_length)
+                          max_width=self.max_sequence_length, layout=layout)
         full = probe.shape_bytes(probe.bound_for(max_batch_size, self.max_sequence_length))
         budget = int(kv_cache_bytes) or full + full // probe.num_arrays
         self.caches = [SlotCache(model_config, dtype, mesh, budget_bytes=budget,
-                                 max_rows=max_batch_size, max_width=self.max_sequence_length)
+                                 max_rows=max_batch_size, max_width=self.max_sequence_length,
+                                 layout=layout)
                        for _ in range(concurrent_batches)]
         self.cache = self.caches[0]
         self.max_batch_size = self.cache.guaranteed_rows()
@@ -387,6 +391,7 @@ def engine_from_config(config: Config, model_config: TransformerConfig, graphdef
         kv_cache_bytes=sampler.kv_cache_bytes if kv_cache_bytes is None else kv_cache_bytes,
         batching=sampler.batching, segment_steps=sampler.segment_steps,
         prefill_chunk_tokens=sampler.prefill_chunk_tokens,
+        decode_attention=sampler.decode_attention, kv_page_size=sampler.kv_page_size,
         update_in_flight=sampler.update_in_flight, weights=weights,
         dtype=serving_dtype(config),
         concurrent_batches=concurrent_batches_for(sampler.concurrent_batches, mesh))

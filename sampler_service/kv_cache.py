@@ -6,7 +6,10 @@ dynamic index); R rows (one per sequence in flight), S slots. On CPU, keys ``[L,
 (transposed, so the score reduction streams along contiguous slots) and values
 ``[L, R, K, S, Dh]``; on TPU and GPU both ``[L, R, S, K, Dh]``, the layout the TPU compiler
 gives a slot write and the decode matmuls (with any other, it keeps the whole cache in its own
-layout beside the argument for the program's length: a second copy of the cache).
+layout beside the argument for the program's length: a second copy of the cache). With
+``sampler.decode_attention`` "paged" (the default on TPU) the layout is
+`paged_cache.PagedLayout` instead: ``[L, K, R, S, Dh]``, each layer a page pool the Pallas
+`paged_attention` kernel reads.
 Row r holds its sequence at slots ``[0, length_r)``: the prompt, then each generated token as
 it is fed back. Slots at or past a row's length hold stale (finite) values and are masked.
 
@@ -86,6 +89,12 @@ class CacheLayout:
     def slot_axes(self) -> tuple[int, int]:
         return (2, 2) if self.slot_major else (4, 3)
 
+    row_axis = 1
+
+    def width_cap(self, max_width: int) -> int:
+        """The widest cache for sequences of up to ``max_width`` tokens."""
+        return max_width
+
     @property
     def head_axis(self) -> int:
         return 3 if self.slot_major else 2
@@ -122,18 +131,45 @@ class CacheLayout:
                            slot_major=self.slot_major)
 
 
+DECODE_ATTENTION = ("auto", "xla", "paged")
+
+
+def layout_for(mesh: Mesh, decode_attention: str = "auto", page_size: int = 64,
+               head_dim: int = 128):
+    """The cache layout ``sampler.decode_attention`` asks for on ``mesh``: "auto" the paged
+    layout (the Pallas kernel) on TPU when the kernel takes the model's ``head_dim`` (a
+    multiple of 128: its TPU lowering tiles the head dimension by 128), else
+    `CacheLayout.for_mesh`; "xla" always `CacheLayout.for_mesh` (XLA ops); "paged" always the
+    paged layout (off TPU its attention runs in XLA ops: for checking the layout)."""
+    from sampler_service.paged_cache import PagedLayout
+
+    if decode_attention not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention: expected one of {DECODE_ATTENTION}, got "
+                         f"{decode_attention!r}")
+    tpu = all(d.platform == "tpu" for d in mesh.devices.flat)
+    if tpu and decode_attention == "paged" and head_dim % 128:
+        raise ValueError(f"decode_attention: 'paged' runs the Pallas paged_attention kernel on "
+                         f"TPU, which needs head_dim a multiple of 128; this model's is "
+                         f"{head_dim} (use 'auto' or 'xla')")
+    if decode_attention == "paged" or (decode_attention == "auto" and tpu
+                                       and head_dim % 128 == 0):
+        return PagedLayout(page_size, mesh)
+    return CacheLayout.for_mesh(mesh)
+
+
 class SlotCache:
     """The cache arrays of the engine's batch, their shape and their memory accounting."""
 
     def __init__(self, config: TransformerConfig, dtype, mesh: Mesh, *, budget_bytes: int,
-                 max_rows: int, max_width: int):
+                 max_rows: int, max_width: int, layout=None):
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.mesh = mesh
         self.budget_bytes = int(budget_bytes)
         self.max_rows = int(max_rows)
-        self.max_width = int(max_width)
-        self.layout = CacheLayout.for_mesh(mesh)
+        # `CacheLayout`, or `paged_cache.PagedLayout` (same methods): see `layout_for`
+        self.layout = CacheLayout.for_mesh(mesh) if layout is None else layout
+        self.max_width = self.layout.width_cap(int(max_width))
         self.num_arrays = 2  # keys, values (each stacked over the layers)
         # keys + values of one token over all layers
         self.bytes_per_token = (self.num_arrays * config.num_layers * config.num_kv_heads
@@ -192,7 +228,7 @@ class SlotCache:
             elif rows % (size * int(np.prod([sizes[a] for a in batch] or [1]))) == 0:
                 batch.append(name)
         spec = [None] * 5
-        spec[1] = tuple(batch) or None
+        spec[self.layout.row_axis] = tuple(batch) or None
         spec[self.layout.head_axis] = tuple(heads) or None
         return NamedSharding(self.mesh, PartitionSpec(*spec))
 
@@ -214,7 +250,7 @@ class SlotCache:
         for i, axis in enumerate(self.layout.slot_axes):
             self._account(held + new_bytes)
             arrays[i] = _relayout(arrays[i], src, width=shape.width, axis=axis,
-                                  sharding=sharding)
+                                  row_axis=self.layout.row_axis, sharding=sharding)
             held += new_bytes - old_bytes
         self.shape, self.arrays = shape, tuple(arrays)
         self._account(self.shape_bytes(shape))
@@ -240,9 +276,9 @@ def _zeros(cache: SlotCache, shape: CacheShape) -> tuple:
     return make()
 
 
-@functools.partial(jax.jit, static_argnames=("width", "axis", "sharding"))
-def _relayout(array, sources, *, width, axis, sharding):
-    out = jnp.take(array, sources, axis=1)
+@functools.partial(jax.jit, static_argnames=("width", "axis", "row_axis", "sharding"))
+def _relayout(array, sources, *, width, axis, row_axis, sharding):
+    out = jnp.take(array, sources, axis=row_axis)
     have = out.shape[axis]
     if width < have:
         out = jax.lax.slice_in_dim(out, 0, width, axis=axis)

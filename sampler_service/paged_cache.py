@@ -1,26 +1,31 @@
-"""A paged decode KV cache: a pool of fixed-size pages per layer, a page table per row, and the
-decode attention backend that writes into it and reads it through `splitrl.models.paged`.
+"""The decode KV cache laid out as pages, for the Pallas `paged_attention` kernel (TPU).
 
-Layout: keys and values ``[L, K, P, page_size, Dh]`` (every layer stacked on the leading axis,
-as the model's weights are; per layer the [K, P, page, Dh] pages the Pallas `paged_attention`
-kernel reads). `PageTable` (host side) hands each sequence the pages its final length needs
-(prompt + max_new_tokens) from a free list and takes them back when it ends; its `indices`
-[R, pages_per_sequence] int32 is the device-side page table (entries past a row's pages point
-at page 0 and are never read: the kernel and the XLA path read only slots below a row's
-length).
+`PagedLayout` is one of the slot cache's layouts (`kv_cache.SlotCache`; `kv_cache.layout_for`
+picks it from ``sampler.decode_attention``: by default on TPU). Keys and values are
+``[L, K, R, S, Dh]``, heads before rows, so one layer's ``[K, R, S, Dh]`` *is* the kernel's
+page pool ``[K, R * n, page, Dh]`` (a reshape, no copy; n = S / page): row r owns pages
+``[r * n, (r + 1) * n)`` and its page table is that range (`page_table`). The kernel reads, per
+row, only the pages below the row's length, where the slot layout's matmuls read every slot of
+the cache's width and mask the rest.
 
-Both sizes are validated here with messages naming them: ``page_size`` (tokens per page, a
-multiple of 16 so a bfloat16 page fills whole TPU tiles) and ``pages_per_sequence`` (the page
-table's width: pages_per_sequence x page_size bounds a sequence's length).
+What it does not do: hand rows pages on demand from a shared pool. A row owns the cache's
+full (bucketed) width, so memory is what the slot layout takes, and rows move between segments
+by the slot cache's resize (a copy), not by rewriting a page table.
+
+Pages: ``sampler.kv_page_size`` tokens at most (a multiple of 16, so a bfloat16 page fills
+whole TPU tiles); a cache S slots wide uses the largest page of at most that size that divides
+S (`page_for`): the bucketed widths are powers of two from 32, and the widest is rounded up to
+a multiple of 16 (`width_cap`), so pages per sequence are S / page.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.sharding import Mesh
 
 from splitrl.models import TransformerConfig
 from splitrl.models.paged import paged_attend
@@ -28,125 +33,76 @@ from splitrl.models.paged import paged_attend
 PAGE_MULTIPLE = 16
 
 
-class PagesExhausted(Exception):
-    """Not enough free pages for a sequence (it waits, or the pool is too small)."""
-
-
-def check_page_settings(page_size: int, pages_per_sequence: int,
-                        max_sequence_length: int) -> None:
-    """ValueError naming the setting unless the pages can hold a sequence of
-    ``max_sequence_length`` tokens on a TPU."""
+def check_page_size(page_size: int, key: str = "kv_page_size") -> None:
+    """ValueError naming ``key`` unless ``page_size`` is a positive multiple of 16."""
     if page_size < 1 or page_size % PAGE_MULTIPLE:
-        raise ValueError(f"page_size: expected a positive multiple of {PAGE_MULTIPLE} (a "
-                         f"bfloat16 page fills whole TPU tiles), got {page_size}")
-    if pages_per_sequence * page_size < max_sequence_length:
-        raise ValueError(
-            f"pages_per_sequence: {pages_per_sequence} pages of {page_size} tokens hold "
-            f"{pages_per_sequence * page_size} tokens, fewer than max_sequence_length "
-            f"{max_sequence_length}; expected at least "
-            f"{-(-max_sequence_length // page_size)}")
+        raise ValueError(f"{key}: expected a positive multiple of {PAGE_MULTIPLE} (a bfloat16 "
+                         f"page fills whole TPU tiles), got {page_size}")
 
 
-class PageTable:
-    """Which pages of the pool each row owns (host side; one owner: the engine's thread)."""
-
-    def __init__(self, *, rows: int, num_pages: int, page_size: int, pages_per_sequence: int):
-        if num_pages < 1:
-            raise ValueError(f"num_pages: expected >= 1, got {num_pages}")
-        self.rows, self.num_pages = rows, num_pages
-        self.page_size, self.pages_per_sequence = page_size, pages_per_sequence
-        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
-        self._owned: dict[int, list[int]] = {}
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def assign(self, row: int, tokens: int) -> list[int]:
-        """Pages for a sequence of up to ``tokens`` tokens in ``row`` (which holds none)."""
-        if not 0 <= row < self.rows:
-            raise ValueError(f"row: expected 0 <= row < {self.rows}, got {row}")
-        if row in self._owned:
-            raise ValueError(f"row {row} already holds pages {self._owned[row]}")
-        need = self.pages_for(tokens)
-        if need > self.pages_per_sequence:
-            raise ValueError(f"tokens: {tokens} need {need} pages of {self.page_size}, more "
-                             f"than pages_per_sequence {self.pages_per_sequence}")
-        if need > len(self._free):
-            raise PagesExhausted(f"{need} pages needed, {len(self._free)} free")
-        self._owned[row] = [self._free.pop() for _ in range(need)]
-        return list(self._owned[row])
-
-    def release(self, row: int) -> None:
-        """Return ``row``'s pages to the pool (a row holding none: nothing happens)."""
-        self._free.extend(reversed(self._owned.pop(row, [])))
-
-    def move(self, sources: np.ndarray) -> None:
-        """Re-lay the rows: new row i takes old row ``sources[i]``'s pages (-1: none); rows
-        not taken release theirs. No key or value moves: only the table changes."""
-        taken = {int(s) for s in sources if s >= 0}
-        for row in list(self._owned):
-            if row not in taken:
-                self.release(row)
-        self._owned = {i: self._owned[int(s)] for i, s in enumerate(sources)
-                       if s >= 0 and int(s) in self._owned}
-
-    def indices(self) -> np.ndarray:
-        """The device page table [rows, pages_per_sequence] int32 (unowned entries: 0)."""
-        out = np.zeros((self.rows, self.pages_per_sequence), np.int32)
-        for row, pages in self._owned.items():
-            out[row, :len(pages)] = pages
-        return out
-
-
-def init_pages(config: TransformerConfig, num_pages: int, page_size: int, dtype,
-               sharding=None) -> tuple[jax.Array, jax.Array]:
-    """Zeroed keys and values [L, K, num_pages, page_size, Dh]."""
-    shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
-    make = jax.jit(lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)),
-                   out_shardings=sharding)
-    return make()
-
-
-def write_tokens(pages, page_indices, rows, slots, values, layer=None):
-    """``pages`` with ``values`` [N, K, Dh] written at token ``slots`` [N] of rows ``rows``
-    [N] (through the page table); ``pages`` [K, P, page, Dh], or [L, K, P, page, Dh] with
-    ``layer`` (a traced index). A slot past the table (>= pages_per_sequence x page) is
-    dropped."""
-    page_size = pages.shape[-2]
-    n = page_indices.shape[1]
-    index = jnp.minimum(slots // page_size, n - 1)
-    page = jnp.where(slots < n * page_size, page_indices[rows, index], pages.shape[-3])
-    offset = slots % page_size
-    values = values.astype(pages.dtype)
-    if layer is None:  # adjacent advanced indices: their [N] axis stays in place
-        return pages.at[:, page, offset].set(values.transpose(1, 0, 2), mode="drop")
-    # advanced indices split by the heads' slice: their [N] axis comes first
-    return pages.at[layer, :, page, offset].set(values, mode="drop")
-
-
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedDecodeAttention:
-    """The `splitrl.models` attention backend of one decode step over a paged cache.
+class PagedLayout:
+    """The slot cache as pages (module docstring); the methods of `kv_cache.CacheLayout`.
+    ``mesh`` is the engine's: the kernel runs under a shard_map over it (key/value heads over
+    its tensor axis)."""
 
-    Each row feeds one token: its key/value is written at slot ``write[r]`` of the row
-    (through ``page_indices``) in layer ``layer`` (a traced index: the model scans its
-    layers), then the query attends to the row's slots ``< write[r] + 1`` of that layer
-    (`splitrl.models.paged.paged_attend`: the Pallas kernel on TPU)."""
+    page_size: int
+    mesh: Mesh | None = None
 
-    cache: tuple  # (k, v) [L, K, P, page, Dh]
-    page_indices: jax.Array  # [R, pages_per_sequence] int32
-    write: jax.Array  # [R] int32
+    row_axis = 2
+    head_axis = 1
+    slot_axes = (3, 3)
 
-    def attend(self, layer, q, k, v):
-        k_pages, v_pages = self.cache
-        rows = jnp.arange(q.shape[0])
-        k_pages = write_tokens(k_pages, self.page_indices, rows, self.write, k[:, 0], layer)
-        v_pages = write_tokens(v_pages, self.page_indices, rows, self.write, v[:, 0], layer)
-        out = paged_attend(q[:, 0], k_pages[layer], v_pages[layer], self.write + 1,
-                           self.page_indices)
-        return out[:, None], dataclasses.replace(self, cache=(k_pages, v_pages))
+    def __post_init__(self):
+        check_page_size(self.page_size)
+
+    def width_cap(self, max_width: int) -> int:
+        """The widest cache: ``max_width`` rounded up to whole pages of 16."""
+        return -(-max_width // PAGE_MULTIPLE) * PAGE_MULTIPLE
+
+    def page_for(self, width: int) -> int:
+        """Tokens per page of a cache ``width`` slots wide (divides it)."""
+        return math.gcd(self.page_size, width)
+
+    def shapes(self, config: TransformerConfig, rows: int, width: int) -> tuple[tuple, tuple]:
+        """(keys' shape, values' shape): both [L, K, rows, width, Dh]."""
+        shape = (config.num_layers, config.num_kv_heads, rows, width, config.head_dim)
+        return shape, shape
+
+    def write_token(self, cache: tuple, layer, slot, k, v) -> tuple:
+        """Each row r's key/value ``k[r], v[r]`` [R, K, Dh] at slot ``slot[r]`` of layer
+        ``layer`` (in place when ``cache`` is donated)."""
+        k_cache, v_cache = cache
+        rows = jnp.arange(k_cache.shape[self.row_axis])
+        # advanced indices split by the heads' slice: their [R] axis comes first ([R, K, Dh])
+        return (k_cache.at[layer, :, rows, slot].set(k.astype(k_cache.dtype)),
+                v_cache.at[layer, :, rows, slot].set(v.astype(v_cache.dtype)))
+
+    def write_prompts(self, cache: tuple, rows, slots, k, v) -> tuple:
+        """Every layer's keys/values ``k, v`` [L, N, P, K, Dh] of N prompts at slots
+        ``slots`` [N, P] of rows ``rows`` [N] (an index past the cache: dropped)."""
+        k_cache, v_cache = cache
+        rows = rows[:, None]
+        # [L, N, P, K, Dh] -> [L, K, N, P, Dh]: adjacent advanced indices stay in place
+        k, v = (x.transpose(0, 3, 1, 2, 4) for x in (k, v))
+        return (k_cache.at[:, :, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
+                v_cache.at[:, :, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
+
+    def page_table(self, rows: int, width: int) -> jax.Array:
+        """[rows, pages per sequence] int32: row r's pages are r * n ... r * n + n - 1."""
+        n = width // self.page_for(width)
+        return jnp.arange(rows * n, dtype=jnp.int32).reshape(rows, n)
+
+    def pages(self, layer_cache: jax.Array) -> jax.Array:
+        """One layer's [K, R, S, Dh] as the kernel's page pool [K, R * n, page, Dh]."""
+        k, r, s, dh = layer_cache.shape
+        page = self.page_for(s)
+        return layer_cache.reshape(k, r * (s // page), page, dh)
+
+    def attend(self, q, cache: tuple, layer, length):
+        """Decode attention of q [R, H, Dh] over layer ``layer`` of each row's slots
+        ``< length[r]`` (`splitrl.models.paged.paged_attend`: the kernel on TPU)."""
+        k_cache, v_cache = cache
+        rows, width = k_cache.shape[self.row_axis], k_cache.shape[self.slot_axes[0]]
+        return paged_attend(q, self.pages(k_cache[layer]), self.pages(v_cache[layer]), length,
+                            self.page_table(rows, width), mesh=self.mesh)

@@ -714,6 +714,15 @@ class SamplerConfig(Section):
     into the KV cache (and its first tokens drawn) before the next, so prefill's activations
     and keys/values are bounded whatever the batch. A prompt is never split: one longer than
     this (set it >= max_sequence_length to rule that out) is a chunk of its own."""
+    decode_attention: Literal["auto", "xla", "paged"] = "auto"
+    """How decode attention runs (docs/attention.md): "auto" the Pallas paged_attention kernel
+    on TPU over the cache laid out as pages, XLA ops elsewhere (CPU unchanged); "xla" XLA ops
+    over the slot cache everywhere; "paged" the paged layout everywhere (off TPU its attention
+    runs in XLA ops: for checking the layout)."""
+    kv_page_size: PositiveInt = 64
+    """Tokens per page of the paged KV cache, at most (a multiple of 16): a cache S slots wide
+    uses the largest page of at most this that divides S, so a sequence has S / page pages
+    (docs/attention.md)."""
     concurrent_batches: PositiveInt | None = None
     """Batches decoding at once, each with its own thread and KV cache (kv_cache_bytes each):
     requests share one batch; exclusive (reproducible) requests take a batch each, so a
@@ -740,6 +749,9 @@ class SamplerConfig(Section):
     model.path)."""
 
     def model_post_init(self, _context) -> None:
+        if self.kv_page_size % 16:
+            raise ConfigError(f"sampler.kv_page_size: expected a multiple of 16 (a bfloat16 "
+                              f"page fills whole TPU tiles), got {self.kv_page_size}")
         for key in ("data_port", "http_port"):
             port = getattr(self, key)
             if port is not None and port > 65535:

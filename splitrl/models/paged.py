@@ -1,11 +1,11 @@
 """Decode attention over a paged KV cache: the Pallas TPU `paged_attention` kernel, and the same
 attention in XLA ops (CPU, and the reference the kernel is tested against).
 
-A paged cache keeps every sequence's keys/values in fixed-size *pages* of one shared pool,
-per layer ``k_pages``/``v_pages`` [K, P, page_size, Dh]; row r's token t lives at page
-``page_indices[r, t // page_size]``, offset ``t % page_size``. Rows own pages, not a slab of
-the cache's full width, so a row's memory follows its length and rows are moved or dropped by
-rewriting their page-table rows, never by copying the cache (vLLM's PagedAttention).
+A paged cache keeps every sequence's keys/values in fixed-size *pages* of one pool, per layer
+``k_pages``/``v_pages`` [K, P, page_size, Dh]; row r's token t lives at page
+``page_indices[r, t // page_size]``, offset ``t % page_size`` (vLLM's PagedAttention). The
+sampler's paged layout (`sampler_service.paged_cache.PagedLayout`) gives each row a contiguous
+run of pages.
 
 `jax.experimental.pallas.ops.tpu.paged_attention` reads only the pages below each row's
 length (double-buffered DMAs from HBM), one query token per row. It reads keys and values as
@@ -13,7 +13,7 @@ bfloat16 whatever their storage dtype (its choice: a TPU serves a bfloat16 cache
 parity with `paged_attend_xla` is exact up to float32 rounding for a bfloat16 cache.
 
 Like every Pallas kernel it is not partitioned by GSPMD: `paged_attend` runs it under a
-`shard_map` over the mesh set with `jax.set_mesh`, key/value heads (and their query heads)
+`shard_map` over the caller's mesh, key/value heads (and their query heads)
 over the tensor axis when both divide by it; the page pool is shared by every row, so rows
 are not split. On CPU the kernel runs in Pallas TPU interpret mode
 (`pltpu.force_tpu_interpret_mode`) for tests; `jax.experimental.pallas.ops.tpu.
@@ -22,6 +22,8 @@ reshape of refs the kernel uses), which is one reason this module uses `paged_at
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -65,9 +67,9 @@ def pages_per_block(pages_per_sequence: int, page_size: int) -> int:
     return best
 
 
-def paged_attend_kernel(q, k_pages, v_pages, lengths, page_indices):
-    """`paged_attend_xla` through the Pallas kernel, under a shard_map over the mesh set with
-    `jax.set_mesh` (none set: the arrays are on one device)."""
+def paged_attend_kernel(q, k_pages, v_pages, lengths, page_indices, mesh=None):
+    """`paged_attend_xla` through the Pallas kernel, under a shard_map over ``mesh`` (default:
+    the mesh set with `jax.set_mesh`; none: the arrays are on one device)."""
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
     h, dh = q.shape[1:]
@@ -79,21 +81,24 @@ def paged_attend_kernel(q, k_pages, v_pages, lengths, page_indices):
         return paged_attention(q, k_pages, v_pages, lengths.astype(jnp.int32),
                                page_indices.astype(jnp.int32), pages_per_compute_block=block)
 
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return local(q, k_pages, v_pages, lengths, page_indices)
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            return local(q, k_pages, v_pages, lengths, page_indices)
     tp = dict(mesh.shape).get("tensor", 1)
     heads = "tensor" if tp > 1 and h % tp == 0 and kv_heads % tp == 0 else None
     pages = PartitionSpec(heads, None, None, None)
     return jax.shard_map(
-        local, in_specs=(PartitionSpec(None, heads, None), pages, pages, PartitionSpec(),
+        local, mesh=mesh, in_specs=(PartitionSpec(None, heads, None), pages, pages, PartitionSpec(),
                          PartitionSpec()),
         out_specs=PartitionSpec(None, heads, None), check_vma=False,
     )(q, k_pages, v_pages, lengths, page_indices)
 
 
-def paged_attend(q, k_pages, v_pages, lengths, page_indices):
-    """Decode attention over a paged cache, by platform: the Pallas kernel on TPU, XLA ops
-    elsewhere (resolved when the program is lowered for its devices)."""
-    return jax.lax.platform_dependent(q, k_pages, v_pages, lengths, page_indices,
-                                      tpu=paged_attend_kernel, default=paged_attend_xla)
+def paged_attend(q, k_pages, v_pages, lengths, page_indices, mesh=None):
+    """Decode attention over a paged cache, by platform: the Pallas kernel on TPU (under a
+    shard_map over ``mesh``, see `paged_attend_kernel`), XLA ops elsewhere (resolved when the
+    program is lowered for its devices)."""
+    return jax.lax.platform_dependent(
+        q, k_pages, v_pages, lengths, page_indices,
+        tpu=functools.partial(paged_attend_kernel, mesh=mesh), default=paged_attend_xla)

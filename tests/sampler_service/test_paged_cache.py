@@ -1,12 +1,11 @@
-"""The paged KV cache: page tables (assign, release, move, exhaustion), tokens written through
-them gathered back against a dense cache, the Pallas `paged_attention` kernel in Pallas TPU
+"""The paged KV cache layout and the Pallas `paged_attention` kernel: the kernel in Pallas TPU
 interpret mode against the XLA path (alone and under the shard_map over the tensor axis), the
-model decoding token by token through the cache against its full forward, and the decode
-step compiled for a TPU v5e (libtpu, no TPU)."""
+paged layout's writes read back through its page table against the slot layout's cache, the
+engine decoding through the paged layout (with refills that move rows) against the slot
+layout, and the settings' checks. `splitrl plan`'s TPU test compiles the engine's decode with
+the kernel in it (tests/splitrl_app/planning/test_plan_compile.py)."""
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,19 +14,14 @@ import pytest
 from flax import nnx
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from sampler_helpers import tiny_config
+from sampler_helpers import REPO, tiny_config
 
-from sampler_service.paged_cache import (
-    PagedDecodeAttention,
-    PagesExhausted,
-    PageTable,
-    check_page_settings,
-    init_pages,
-    write_tokens,
-)
-from splitrl import models
-from splitrl.mesh import param_shardings
-from splitrl.models import TransformerConfig
+from sampler_service.engine import GenerationEngine
+from sampler_service.kv_cache import CacheLayout, layout_for
+from sampler_service.paged_cache import PagedLayout
+from sampler_service.sampling import SamplingOptions
+from splitrl.config import ConfigError, load_config
+from splitrl.models import TransformerConfig, init_random
 from splitrl.models.paged import (
     gather_pages,
     paged_attend_kernel,
@@ -39,155 +33,164 @@ from splitrl.platforms import libtpu_installed
 CONFIG = tiny_config()
 
 
-def test_page_table_assigns_releases_and_moves_pages():
-    table = PageTable(rows=3, num_pages=6, page_size=16, pages_per_sequence=3)
-    assert table.assign(0, 33) == [0, 1, 2]  # 33 tokens: three pages of 16
-    assert table.assign(2, 16) == [3]
-    with pytest.raises(PagesExhausted, match="3 pages needed, 2 free"):
-        table.assign(1, 40)
-    with pytest.raises(ValueError, match="more than pages_per_sequence 3"):
-        table.assign(1, 49)
-    np.testing.assert_array_equal(table.indices(), [[0, 1, 2], [0, 0, 0], [3, 0, 0]])
-    table.move(np.array([2, -1, -1]))  # row 2 moves to the front, row 0 is dropped
-    np.testing.assert_array_equal(table.indices(), [[3, 0, 0], [0, 0, 0], [0, 0, 0]])
-    assert table.free_pages == 5
-    assert table.assign(1, 40) == [0, 1, 2]  # row 0's pages, back in the pool
-
-
-def test_page_settings_are_validated_by_name():
-    check_page_settings(16, 8, 128)
-    with pytest.raises(ValueError, match="page_size: expected a positive multiple of 16"):
-        check_page_settings(12, 8, 96)
-    with pytest.raises(ValueError, match="pages_per_sequence: 4 pages of 16 tokens hold 64"):
-        check_page_settings(16, 4, 100)
-
-
 def test_pages_per_block_divides_the_table_within_512_tokens():
     assert [pages_per_block(n, 16) for n in (1, 6, 32, 64)] == [1, 6, 32, 32]
     assert pages_per_block(6, 128) == 3
 
 
-def _random_paged_cache(rows, page_size, n, lengths, seed=0, dtype=jnp.float32):
-    """A dense cache [R, K, n*page, Dh] and the same tokens written into a paged pool through
-    a shuffled page table (a row's pages are scattered over the pool)."""
-    rng = np.random.default_rng(seed)
+def test_paged_layout_pages_divide_every_cache_width():
+    layout = PagedLayout(64)
+    # bucketed widths are powers of two from 32; the widest is rounded up to whole 16s
+    assert layout.width_cap(100) == 112 and layout.width_cap(256) == 256
+    assert [layout.page_for(w) for w in (32, 64, 128, 112)] == [32, 64, 64, 16]
+    np.testing.assert_array_equal(layout.page_table(2, 128), [[0, 1], [2, 3]])
+
+
+def test_page_size_is_checked_by_name():
+    with pytest.raises(ValueError, match="kv_page_size: expected a positive multiple of 16"):
+        PagedLayout(24)
+    with pytest.raises(ConfigError, match="sampler.kv_page_size: expected a multiple of 16"):
+        load_config(None, ["sampler.kv_page_size=40"])
+    with pytest.raises(ValueError, match="decode_attention: expected one of"):
+        layout_for(Mesh(np.array(jax.devices()[:1]), ("tensor",)), "flash")
+
+
+def test_decode_attention_picks_the_layout_by_platform():
+    cpu = Mesh(np.array(jax.devices()[:1]), ("tensor",))
+    assert layout_for(cpu) == CacheLayout(slot_major=False)  # "auto" on CPU: unchanged
+    assert layout_for(cpu, "paged", 32) == PagedLayout(32, cpu)
+
+
+def _pages_from_rows(rows, page_size, order):
+    """A paged pool [K, P, page, Dh] holding ``rows`` [R, K, S, Dh], row r's pages at
+    ``order[r * n:(r + 1) * n]`` of the pool; returns (pool, page table)."""
+    r, k, s, dh = rows.shape
+    n = s // page_size
+    table = np.asarray(order, np.int32).reshape(r, n)
+    pool = np.zeros((k, r * n, page_size, dh), rows.dtype)
+    pool[:, table.reshape(-1)] = rows.reshape(r, k, n, page_size, dh).transpose(
+        1, 0, 2, 3, 4).reshape(k, r * n, page_size, dh)
+    return pool, table
+
+
+def _decode_inputs(heads=4):
+    """q [4, H, Dh]; a bfloat16 cache of 4 rows x 48 slots in pages of 16, scattered over the
+    pool; rows end mid-page and on page boundaries. (The kernel reads keys and values as
+    bfloat16: splitrl.models.paged.)"""
+    rng = np.random.default_rng(3)
     kh, dh = CONFIG.num_kv_heads, CONFIG.head_dim
-    dense = rng.standard_normal((rows, kh, n * page_size, dh)).astype(np.float32)
-    order = rng.permutation(rows * n)
-    table = PageTable(rows=rows, num_pages=rows * n, page_size=page_size, pages_per_sequence=n)
-    table._free = list(order)  # pages come out in a shuffled order
-    for r, length in enumerate(lengths):
-        table.assign(r, int(length))
-    indices = jnp.asarray(table.indices())
-    row_of = np.concatenate([np.full(m, r) for r, m in enumerate(lengths)]).astype(np.int32)
-    slots = np.concatenate([np.arange(m) for m in lengths]).astype(np.int32)
-    pages = write_tokens(jnp.zeros((kh, rows * n, page_size, dh), dtype), indices,
-                         jnp.asarray(row_of), jnp.asarray(slots),
-                         jnp.asarray(dense[row_of, :, slots]))  # [N, K, Dh]
-    return jnp.asarray(dense, dtype), pages, indices
+    order = rng.permutation(12)
+    k_pool, table = _pages_from_rows(rng.standard_normal((4, kh, 48, dh)), 16, order)
+    v_pool, _ = _pages_from_rows(rng.standard_normal((4, kh, 48, dh)), 16, order)
+    q = jnp.asarray(rng.standard_normal((4, heads, dh)), jnp.float32)
+    return (q, jnp.asarray(k_pool, jnp.bfloat16), jnp.asarray(v_pool, jnp.bfloat16),
+            jnp.asarray([5, 16, 33, 48], jnp.int32), jnp.asarray(table))
 
 
-def test_tokens_written_through_the_page_table_gather_to_the_dense_cache():
-    lengths = np.array([5, 16, 33, 0])
-    dense, pages, indices = _random_paged_cache(4, 16, 3, lengths)
-    gathered = np.asarray(gather_pages(pages, indices))
-    for r, length in enumerate(lengths):
-        np.testing.assert_array_equal(gathered[r, :, :length], np.asarray(dense)[r, :, :length])
-
-
-def _decode_inputs(dtype=jnp.bfloat16, heads=4):
-    lengths = np.array([5, 16, 33, 48], np.int32)
-    _, pages_k, indices = _random_paged_cache(4, 16, 3, lengths, seed=1, dtype=dtype)
-    _, pages_v, _ = _random_paged_cache(4, 16, 3, lengths, seed=2, dtype=dtype)
-    q = jnp.asarray(np.random.default_rng(3).standard_normal((4, heads, CONFIG.head_dim)),
-                    jnp.float32)
-    return q, pages_k, pages_v, jnp.asarray(lengths), indices
+def test_pages_gather_back_to_the_rows_through_the_page_table():
+    rows = np.random.default_rng(0).standard_normal((3, 2, 64, 8)).astype(np.float32)
+    pool, table = _pages_from_rows(rows, 16, np.random.default_rng(1).permutation(12))
+    np.testing.assert_array_equal(np.asarray(gather_pages(jnp.asarray(pool),
+                                                          jnp.asarray(table))), rows)
 
 
 def test_paged_attention_kernel_in_interpret_mode_matches_the_xla_path():
-    """GQA (4 query heads over 2 key/value heads), rows ending mid-page and on a page
-    boundary, pages scattered over the pool; a bfloat16 cache (the kernel reads keys and
-    values as bfloat16, see splitrl.models.paged)."""
-    q, k_pages, v_pages, lengths, indices = _decode_inputs()
+    """GQA (4 query heads over 2 key/value heads), pages scattered over the pool."""
+    q, k_pages, v_pages, lengths, table = _decode_inputs()
     with pltpu.force_tpu_interpret_mode():
-        got = jax.jit(paged_attend_kernel)(q, k_pages, v_pages, lengths, indices)
-    want = jax.jit(paged_attend_xla)(q, k_pages, v_pages, lengths, indices)
+        got = jax.jit(paged_attend_kernel)(q, k_pages, v_pages, lengths, table)
+    want = jax.jit(paged_attend_xla)(q, k_pages, v_pages, lengths, table)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_paged_attention_kernel_under_shard_map_over_the_tensor_axis():
     """Key/value heads split over tensor=2: each device runs the kernel on its heads' pages."""
-    q, k_pages, v_pages, lengths, indices = _decode_inputs()
+    q, k_pages, v_pages, lengths, table = _decode_inputs()
     mesh = Mesh(np.array(jax.devices()[:2]), ("tensor",))
     pages = NamedSharding(mesh, PartitionSpec("tensor"))
     k_pages, v_pages = jax.device_put(k_pages, pages), jax.device_put(v_pages, pages)
-    with jax.set_mesh(mesh), pltpu.force_tpu_interpret_mode():
-        got = jax.jit(paged_attend_kernel)(q, k_pages, v_pages, lengths, indices)
-    want = jax.jit(paged_attend_xla)(q, k_pages, v_pages, lengths, indices)
+    with pltpu.force_tpu_interpret_mode():
+        got = jax.jit(lambda *a: paged_attend_kernel(*a, mesh=mesh))(q, k_pages, v_pages,
+                                                                      lengths, table)
+    want = jax.jit(paged_attend_xla)(q, k_pages, v_pages, lengths, table)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def _decode_step(graphdef, state, cache, indices, token, slot):
-    model = nnx.merge(graphdef, state)
-    backend = PagedDecodeAttention(cache, indices, slot)
-    h, backend = model.forward_with(token[:, None], slot[:, None], backend)
-    return model.logits(h[:, 0]), backend.cache
+def test_paged_layout_writes_read_back_through_its_page_table_as_the_slot_cache():
+    """Prompts, then one token per row, written in both layouts: every layer's pages,
+    gathered through the paged layout's table, are the slot layout's rows."""
+    rng = np.random.default_rng(0)
+    layers, kh, dh, rows, width = 2, CONFIG.num_kv_heads, CONFIG.head_dim, 4, 64
+    paged, slots = PagedLayout(16), CacheLayout(slot_major=True)
+    cache = {lay: tuple(jnp.zeros(s) for s in lay.shapes(CONFIG, rows, width))
+             for lay in (paged, slots)}
+    k, v = (jnp.asarray(rng.standard_normal((layers, 2, 20, kh, dh)), jnp.float32)
+            for _ in range(2))
+    prompt_rows, prompt_slots = jnp.asarray([3, 1]), jnp.asarray(np.arange(20)[None].repeat(2, 0))
+    token = [jnp.asarray(rng.standard_normal((rows, kh, dh)), jnp.float32) for _ in range(2)]
+    at = jnp.asarray([20, 20, 0, 20])
+    for lay in cache:
+        cache[lay] = lay.write_prompts(cache[lay], prompt_rows, prompt_slots, k, v)
+        cache[lay] = lay.write_token(cache[lay], 1, at, *token)
+    for i in range(2):  # keys, values
+        for layer in range(layers):
+            pool = paged.pages(cache[paged][i][layer])
+            gathered = gather_pages(pool, paged.page_table(rows, width))  # [R, K, S, Dh]
+            want = cache[slots][i][layer].transpose(0, 2, 1, 3)  # [R, S, K, Dh] -> [R, K, S, Dh]
+            np.testing.assert_array_equal(np.asarray(gathered), np.asarray(want))
 
 
-def test_decoding_through_the_paged_cache_matches_the_full_forward():
-    """Two rows decode 20 tokens one at a time (crossing page boundaries) through scattered
-    pages; each step's logits equal the full forward's at that position."""
-    model = models.init_random(CONFIG, seed=0)
+def test_engine_decoding_through_the_paged_layout_gives_the_slot_layouts_tokens():
+    """Six prompts through four rows (finished rows are refilled: the cache is resized and
+    rows move), greedy and sampled: the paged layout's tokens are the slot layout's, logprobs
+    equal up to float32 rounding (on CPU its attention gathers the pages: XLA ops)."""
+    model = init_random(CONFIG, seed=0, std=0.3)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tensor",))
     graphdef, state = nnx.split(model)
-    steps, page_size, n = 20, 16, 2
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, CONFIG.vocab_size, (2, steps)),
-                         jnp.int32)
-    want = np.asarray(model(tokens)[0])
-    table = PageTable(rows=2, num_pages=5, page_size=page_size, pages_per_sequence=n)
-    table._free = [3, 0, 4, 1, 2]  # row 0 gets pages 2, 1; row 1 gets 4, 0
-    table.assign(0, steps)
-    table.assign(1, steps)
-    indices = jnp.asarray(table.indices())
-    cache = init_pages(CONFIG, 5, page_size, jnp.float32)
-    step = jax.jit(_decode_step, static_argnums=0, donate_argnums=2)
-    for t in range(steps):
-        logits, cache = step(graphdef, state, cache, indices, tokens[:, t],
-                             jnp.full((2,), t, jnp.int32))
-        np.testing.assert_allclose(np.asarray(logits), want[:, t], rtol=1e-5, atol=1e-5)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [20], [30, 31, 32],
+               [40, 41], [50, 51, 52, 53, 54]]
+    outputs = {}
+    for decode_attention in ("xla", "paged"):
+        engine = GenerationEngine(CONFIG, graphdef, mesh=mesh, max_batch_size=4,
+                                  max_sequence_length=40, eos_token_ids=(), pad_token_id=0,
+                                  segment_steps=4, decode_attention=decode_attention,
+                                  kv_page_size=16)
+        placed = engine.place_state(state)
+        try:
+            outputs[decode_attention] = [
+                engine.generate(placed, prompts, SamplingOptions(max_new_tokens=m, **kw))
+                for m, kw in ((9, {}), (13, dict(temperature=1.0, seed=7)))]
+            assert engine.stats["cache_resizes"] > 0
+        finally:
+            engine.close()
+    for want, got in zip(outputs["xla"], outputs["paged"], strict=True):
+        for a, b in zip(want, got, strict=True):
+            assert a[0].token_ids == b[0].token_ids
+            np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5)
 
 
-needs_libtpu = pytest.mark.skipif(
-    not libtpu_installed(),
-    reason="libtpu (the TPU compiler) is not installed: pip install -e '.[tpu-plan]'")
+@pytest.mark.skipif(not libtpu_installed(), reason="libtpu (the TPU compiler) is not "
+                    "installed: pip install -e '.[tpu-plan]'")
+def test_a_tpu_sampler_plan_decodes_through_the_paged_kernel():
+    """`splitrl plan` of a sampler on two v5e chips (tensor=2), bfloat16, a one-layer model
+    with 128-wide heads: the engine's decode holds the paged_attention kernel and compiles
+    (libtpu, no TPU). The kernel tiles heads by 128: with 64-wide heads "auto" keeps the XLA
+    decode and "paged" is refused naming head_dim."""
+    from splitrl_app.planning import plan_run, tpu_target
 
-
-@needs_libtpu
-def test_decode_step_compiles_the_paged_kernel_for_a_tpu():
-    """One decode step of a model with 128-wide heads, bfloat16, on a v5e 2x2 slice with the
-    key/value heads over tensor=2 (libtpu compiles it; nothing runs)."""
-    from splitrl_app.planning import tpu_target
-
+    cfg = load_config(str(REPO / "splitrl" / "configs" / "demo.yaml"), [
+        "sampler.mesh.device_fraction=0.5", "sampler.max_batch_size=16",
+        "sampler.max_sequence_length=128", "sampler.dtype=bfloat16"])
     config = TransformerConfig(family="llama", vocab_size=256, hidden_size=512,
-                               intermediate_size=1024, num_layers=2, num_heads=4,
+                               intermediate_size=1024, num_layers=1, num_heads=4,
                                num_kv_heads=2, head_dim=128)
-    devices = tpu_target("v5e:2x2").devices[:2]
-    mesh = Mesh(np.array(devices), ("tensor",))
-    dtype = jnp.bfloat16
-    graphdef = nnx.split(models.abstract_model(config, dtype))[0]
-    shapes = models.param_shapes(config)
-    placed = param_shardings(mesh, {k: v.shape for k, v in shapes.items()}, "tp")
-    state = models.state_from_hf(config, {
-        k: jax.ShapeDtypeStruct(v.shape, dtype, sharding=placed[k]) for k, v in shapes.items()})
-    rows, n, page_size = 8, 4, 16
-    replicated = NamedSharding(mesh, PartitionSpec())
-    pages = jax.ShapeDtypeStruct(
-        (config.num_layers, config.num_kv_heads, rows * n, page_size, config.head_dim), dtype,
-        sharding=NamedSharding(mesh, PartitionSpec(None, "tensor")))
-    ints = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
-    step = jax.jit(_decode_step, static_argnums=0, donate_argnums=2)
-    with jax.set_mesh(mesh):
-        lowered = step.lower(graphdef, state, (pages, pages), ints((rows, n)), ints((rows,)),
-                             ints((rows,)))
-    assert set(re.findall(r'kernel_name\s*=\s*"([^"]+)"', lowered.as_text())) == {
-        "paged_flash_attention_kernel_inline_seq_dim"}
-    lowered.compile()
+    target = tpu_target("v5e:2x2")
+    [report] = plan_run(cfg, config, {"sampler": target}, search=False)
+    assert report.mesh == {"tensor": 2} and report.measurement.fits
+    kernels = {p.name: p.kernels for p in report.measurement.programs}
+    assert kernels == {"prefill": (), "admit": (),
+                       "decode": ("paged_flash_attention_kernel_inline_seq_dim",)}
+    mesh = Mesh(np.array(target.devices[:2]), ("tensor",))
+    assert layout_for(mesh, "auto", 64, head_dim=64) == CacheLayout(slot_major=True)
+    with pytest.raises(ValueError, match="needs head_dim a multiple of 128; this model's is 64"):
+        layout_for(mesh, "paged", 64, head_dim=64)

@@ -182,6 +182,9 @@ def test_tpu_sampler_report_has_parameters_and_a_kv_cache_updated_in_place(tpu_r
     assert r.target.device_kind == "TPU v5 lite" and r.mesh == {"tensor": 2}
     m = r.measurement
     assert m.fits and [p.name for p in m.programs] == ["prefill", "admit", "decode"]
+    # head_dim 64: sampler.decode_attention "auto" keeps the XLA decode (the paged kernel
+    # tiles heads by 128; tests/sampler_service/test_paged_cache.py plans one that runs it)
+    assert all(p.kernels == () for p in m.programs)
     config = load_model_config(one_layer_config.parent)
     total, one_d = _bytes_by_param(config, 4)
     assert total / 2 <= m.categories["parameters"] <= total / 2 + one_d / 2
