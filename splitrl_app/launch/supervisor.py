@@ -25,7 +25,7 @@ from splitrl.config import Config, dump_config
 from splitrl.jsonl import drop_torn_tail
 from splitrl.retry import wait_until
 from splitrl.serving import LAUNCHER_PID_ENV, check_health, make_channel
-from splitrl.user_cache import cache_dir
+from splitrl.user_cache import xla_cache_env
 from splitrl_app.launch.console import say
 from splitrl_app.launch.oom import OomWitness
 from splitrl_app.launch.ports import free_port, release_port
@@ -88,8 +88,8 @@ class Launcher:
         env.setdefault("HF_DATASETS_OFFLINE", "1")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         # Every service compiles the same programs run after run: keep them on disk.
-        env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "xla"))
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+        for name, value in xla_cache_env().items():
+            env.setdefault(name, value)
         env["PYTHONUNBUFFERED"] = "1"
         env[LAUNCHER_PID_ENV] = str(os.getpid())  # services stop when this process is gone
         return env
