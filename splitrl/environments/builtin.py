@@ -169,20 +169,24 @@ class PythonSandbox:
 @register_environment("lookup", "The tiny learnable tool task: each episode hides a value "
                       "(the row's `secret` column, never in the prompt); lookup() reveals it.")
 class Lookup:
-    """``call_reward`` is the environment's reward once lookup() has answered (0 by default):
-    a small bonus that gives a random model a first signal to call the tool at all."""
+    """``call_reward`` is the environment's reward when lookup() was called exactly once (0 by
+    default): a small bonus that gives a random model a first signal to call the tool at all,
+    and none for calling it again and again instead of answering."""
 
     def __init__(self, call_reward: float = 0.0):
         self._call_reward = call_reward
         self._secret = ""
+        self._calls = 0
         self.reward = 0.0
 
     def reset(self, secret, **columns) -> None:
         self._secret = str(secret)
+        self._calls = 0
         self.reward = 0.0
         return None
 
     def lookup(self) -> str:
         """The value hidden in this episode's table entry."""
-        self.reward = self._call_reward
+        self._calls += 1
+        self.reward = self._call_reward if self._calls == 1 else 0.0
         return self._secret

@@ -157,3 +157,11 @@ def test_a_hung_tool_is_killed_and_its_episodes_restored(runner):
     # Both episodes lived on the killed worker: each is started again and its calls replayed.
     assert runner.call("hung", ToolCall("count")).text == "2"
     assert runner.call("bystander", ToolCall("count")).text == "2"
+
+
+def test_lookup_pays_its_call_reward_for_exactly_one_call():
+    env = make_environment("lookup", {"call_reward": 0.2})
+    env.reset(secret=7)
+    assert env.reward == 0.0
+    assert env.lookup() == "7" and env.reward == 0.2
+    assert env.lookup() == "7" and env.reward == 0.0  # calling again instead of answering
