@@ -169,3 +169,22 @@ def test_trainer_on_a_tpu_lowers_its_train_step_with_the_splash_kernels(attentio
     learner = Learner.from_config(models.abstract_model(config), cfg, mesh)
     text = learner.lower_train_step(rows=4, length=256)["grad_step"].as_text()
     assert set(re.findall(r'kernel_name\s*=\s*"([^"]+)"', text)) == kernels
+
+
+def test_learner_train_step_with_splash_on_an_fsdp_mesh_matches_the_dense_step():
+    """The trainer's own step with model.attention "splash" on two CPU devices (fsdp=2: the
+    kernel runs under the shard_map over the learner's mesh, each device on its rows) against
+    the same step on the dense path: loss, gradient norm and updated parameters."""
+    from tests.trainer_service.trainer_helpers import make_learner, mesh_of, rollout_batch
+
+    batch = rollout_batch(0)
+    steps = {}
+    for attention in ("auto", "splash"):
+        learner = make_learner(mesh_of(2), attention=attention)
+        metrics = learner.train_step(batch)
+        steps[attention] = metrics, jax.device_get(learner.params)
+    (want, want_params), (got, got_params) = steps["auto"], steps["splash"]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, err_msg=key)
+    for name, value in want_params.items():
+        np.testing.assert_allclose(got_params[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
