@@ -102,3 +102,32 @@ def wait_exit(launcher: Launcher, name: str, timeout_s: float) -> int:
             )
         time.sleep(0.5)
     return proc.returncode
+
+
+def adapter_logits(base_dir: Path, export: Path, tokens) -> tuple:
+    """Logits of ``tokens`` [B, T] three ways, float32: PEFT loading the run's exported adapter
+    (``export/adapter``) onto the transformers base, transformers loading the merged export,
+    and SplitRL's forward of the base with the adapter as ``splitrl.models.peft_io`` reads it."""
+    import jax.numpy as jnp
+    import numpy as np
+    import peft
+    import torch
+    import transformers
+
+    from splitrl.models import from_pretrained
+    from splitrl.models.lora import attach
+    from splitrl.models.peft_io import load_adapter
+
+    assert (export / "adapter" / "adapter_config.json").exists()
+    ids = torch.tensor(np.asarray(tokens), dtype=torch.long)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    with_adapter = peft.PeftModel.from_pretrained(base, export / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export,
+                                                               dtype=torch.float32).eval()
+    with torch.no_grad():
+        peft_logits = with_adapter(ids).logits.numpy()
+        merged_logits = merged(ids).logits.numpy()
+    ours = from_pretrained(base_dir)
+    spec, adapters = load_adapter(export / "adapter", ours.config)
+    own = np.asarray(attach(ours, spec, adapters)(jnp.asarray(ids.numpy()))[0])
+    return peft_logits, merged_logits, own

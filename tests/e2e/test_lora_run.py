@@ -20,6 +20,7 @@ import pytest
 
 from splitrl_app.launch.supervisor import Launcher
 from tests.e2e.harness import (
+    adapter_logits,
     log_records,
     run_config,
     status_step,
@@ -101,27 +102,8 @@ def test_lora_grpo_learns_survives_kill_9_and_exports_a_peft_adapter(arith_model
 def _peft_matches_the_export(base_dir, export):
     """The oracle: PEFT's adapter on the transformers base = the merged export = our forward
     with the adapters (float32, 1e-4)."""
-    import jax.numpy as jnp
-    import peft
-    import torch
-    import transformers
-
-    from splitrl.models import from_pretrained
-    from splitrl.models.lora import attach
-    from splitrl.models.peft_io import load_adapter
-
-    assert (export / "adapter" / "adapter_config.json").exists()
-    tokens = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12]])
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    with_adapter = peft.PeftModel.from_pretrained(base, export / "adapter").eval()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(export,
-                                                               dtype=torch.float32).eval()
-    with torch.no_grad():
-        peft_logits = with_adapter(tokens).logits.numpy()
-        merged_logits = merged(tokens).logits.numpy()
-    ours = from_pretrained(base_dir)
-    spec, adapters = load_adapter(export / "adapter", ours.config)
-    own = np.asarray(attach(ours, spec, adapters)(jnp.asarray(tokens.numpy()))[0])
+    tokens = np.array([[3, 4, 5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 9, 10, 11, 12]])
+    peft_logits, merged_logits, own = adapter_logits(base_dir, export, tokens)
     assert np.abs(peft_logits - merged_logits).max() < 1e-4
     assert np.abs(peft_logits - own).max() < 1e-4
     print(f"PEFT vs merged export: {np.abs(peft_logits - merged_logits).max():.2e}; "
