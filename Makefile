@@ -42,8 +42,9 @@ demo-tools: $(DEMO_STAMP)
 
 # Two pytest-xdist workers, a test module at a time each (a module's tests stay together, in
 # file order: module fixtures start service processes, and some tests build on the previous
-# one's state). Most in-process tests keep one core busy, so two workers fill both.
-XDIST := -n 2 --dist loadscope
+# one's state). Most in-process tests keep one core busy, so two workers fill both. The
+# multi-process modules are handed out first, the short ones after them (tests/xdist_scheduling.py).
+XDIST := -n 2 --dist loadscope --no-loadscope-reorder
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -q --durations=15 $(XDIST)

@@ -41,6 +41,22 @@ if (SHARED_DATA / "gsm8k").is_dir():
     os.environ["SPLITRL_DATA_DIR"] = str(SHARED_DATA)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") == "loadscope":
+        from xdist_scheduling import SuiteScheduling
+
+        return SuiteScheduling(config, log)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker: the order its modules are handed out
+        from xdist_scheduling import order_modules
+
+        order_modules(items)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The shipped GSM8K and MATH-500 copies (``SHARED_DATA``); skip if they are absent."""
