@@ -53,13 +53,17 @@ def test_arithmetic_accuracy_rises_to_0_8(loss, arith_model, tmp_path):
 
 
 def test_gsm8k_smoke_two_steps_and_eval(gsm8k_model, tmp_path, shared_data):
+    """The GSM8K task and math_accuracy through a real run, with one sampler and only the
+    final evaluation: a second sampler (one more process compiling this model's programs) and
+    the evaluation before training run the same code as in the arithmetic runs above, which
+    check both."""
     run_dir = tmp_path / "gsm8k"
     cfg = run_config(
         gsm8k_model, run_dir,
         "trainer.steps=2", "trainer.prompts_per_step=4", "algorithm.group_size=4",
         "trainer.data.task=gsm8k", f"trainer.data.path={shared_data / 'gsm8k'}",
-        "trainer.data.eval_size=16", "sampling.max_new_tokens=24",
-        "sampler.max_sequence_length=512",
+        "trainer.data.eval_size=16", "trainer.eval_before=false", "sampling.max_new_tokens=24",
+        "sampler.max_sequence_length=512", "services.num_samplers=1",
         "reward.functions=[{name: math_accuracy, weight: 1.0}]",
         "reward.accuracy_function=math_accuracy",
     )
