@@ -8,9 +8,9 @@ Two things xdist's defaults cost the suite, fixed here:
   (marked ``slow``: a few tests, each a run of minutes) came last and the suite ended with one
   worker on the last long run and the other idle. They are queued first now, and the many
   short modules after them keep both workers busy to the end.
-- The modules of tests/security share a session fixture that starts reward, sampler and
-  trainer processes; when they landed on both workers, each worker started the services.
-  Such a folder is one unit of work now.
+- Modules that share a session fixture starting service processes (tests/security's reward,
+  sampler and trainer; the reward server of two reward_service modules) could land on both
+  workers, and each worker started the services. Each such group is one unit of work now.
 """
 
 from __future__ import annotations
@@ -20,17 +20,21 @@ from collections import Counter
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-# Folders whose modules share a session fixture that starts service processes.
-SHARED_SERVICE_FOLDERS = ("tests/security/",)
+# Groups of modules (path prefixes) that share a session fixture starting service processes.
+SHARED_SERVICE_GROUPS = (
+    ("tests/security/",),  # `services`: reward, sampler and trainer
+    ("tests/reward_service/test_reward_conventions.py",  # `reward_server`
+     "tests/reward_service/test_reward_server.py"),
+)
 
 
 class SuiteScheduling(LoadScopeScheduling):
-    """loadscope, with each folder of ``SHARED_SERVICE_FOLDERS`` one unit of work."""
+    """loadscope, with each group of ``SHARED_SERVICE_GROUPS`` one unit of work."""
 
     def _split_scope(self, nodeid: str) -> str:
-        for folder in SHARED_SERVICE_FOLDERS:
-            if nodeid.startswith(folder):
-                return folder
+        for group in SHARED_SERVICE_GROUPS:
+            if nodeid.startswith(group):
+                return group[0]
         return super()._split_scope(nodeid)
 
 
