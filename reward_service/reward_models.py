@@ -19,6 +19,7 @@ synchronous run with a reward model bitwise reproducible.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -56,6 +57,20 @@ def rows_for(bucket: int, max_batch_tokens: int) -> int:
     """Rows of every forward at ``bucket`` tokens: the most that fit the token budget (at
     least 1: a sequence alone over the budget runs alone)."""
     return max(1, max_batch_tokens // bucket)
+
+
+def label_scores(graphdef, state, tokens, lengths, *, label: int):
+    """The reward model's forward: output ``label`` of the score head for each row [B] (the
+    program the service runs, and `splitrl plan` compiles)."""
+    from flax import nnx
+
+    return nnx.merge(graphdef, state)(tokens, lengths)[:, label]
+
+
+def longest_forward(cfg: RewardModelConfig) -> tuple[int, int]:
+    """(rows, length) of the largest forward ``cfg`` allows: its longest input's bucket."""
+    bucket = length_bucket(cfg.max_length)
+    return rows_for(bucket, cfg.max_batch_tokens), bucket
 
 
 def render(tokenizer, item: dict[str, Any], use_chat_template: bool) -> str:
@@ -118,11 +133,8 @@ class RewardModel:
         model = load_sequence_classifier(cfg.path, dtype, shardings=shardings)
         self._graphdef, self._state = nnx.split(model)
         self._inputs = NamedSharding(mesh, PartitionSpec())
-
-        def forward(graphdef, state, tokens, lengths):
-            return nnx.merge(graphdef, state)(tokens, lengths)[:, cfg.label]
-
-        self._forward = jax.jit(forward, static_argnums=0)
+        self._forward = jax.jit(functools.partial(label_scores, label=cfg.label),
+                                static_argnums=0)
         self._device_put = jax.device_put
         self._lock = threading.Condition()
         self._waiting: list[_Sequence] = []

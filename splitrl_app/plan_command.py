@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
         "plan", help="compile the trainer's and sampler's programs for TPU topologies (or this "
         "CPU) from config.json alone; per-device memory vs HBM; exit 1 when it does not fit",
         description="Builds the model from a Hugging Face config.json (no weights), compiles "
-        "the trainer's train step and the sampler's generation program for each target, and "
+        "the trainer's train step, the sampler's generation program and, with reward.models, "
+        "each reward model's forward for each target, and "
         "prints per-device memory by category against the chip's HBM, whether it fits and the "
         "largest batch that does. TPU targets need libtpu (pip install 'splitrl[tpu-plan]'), "
         "not a TPU. Exit 0 when everything fits, 1 when something does not, 2 on bad input.")
@@ -26,13 +27,16 @@ def add_parser(sub) -> None:
                    "mesh.device_fraction / device_offset of it), e.g. v5p:2x2x2 or v5p-16")
     p.add_argument("--trainer-topology", help="the trainer's slice, e.g. v5p:2x2x1 or v5p-8")
     p.add_argument("--sampler-topology", help="one sampler's slice, e.g. v5e:2x2")
+    p.add_argument("--reward-topology", help="one reward service's slice, for its reward "
+                   "models (reward.models), e.g. v5e:2x2")
     p.add_argument("--cpu-devices", type=int, default=8,
                    help="with --platform cpu: how many CPU devices to emulate (default 8, or "
                    "more when a service's mesh asks for more); a service with a fixed mesh "
                    "plans on the devices it asks for, one with a -1 axis on all of them")
     p.add_argument("--hbm-gib", type=float, help="memory per device (default: the chip's HBM; "
                    "on cpu: the host's RAM shared by the devices)")
-    p.add_argument("--only", choices=["trainer", "sampler"], help="plan one service")
+    p.add_argument("--only", choices=["trainer", "sampler", "reward"],
+                   help="plan one service (reward: the reward models of reward.models)")
     p.add_argument("--no-search", action="store_true",
                    help="compile the configured batch only (no search for the largest)")
     p.add_argument("--extrapolate-layers", action="store_true",
@@ -63,17 +67,24 @@ class _PlanError(ValueError):
     pass
 
 
-def _services(args) -> list[str]:
-    return [args.only] if args.only else ["trainer", "sampler"]
+def _services(args, cfg) -> list[str]:
+    """The services to plan: --only's, else the trainer, the sampler and (with reward models
+    configured) the reward service."""
+    if args.only:
+        if args.only == "reward" and not cfg.reward.models:
+            raise _PlanError("--only reward: the config has no reward.models to plan")
+        return [args.only]
+    return ["trainer", "sampler"] + (["reward"] if cfg.reward.models else [])
 
 
 def _meshes(cfg) -> dict:
-    return {"trainer": cfg.trainer.mesh, "sampler": cfg.sampler.mesh}
+    return {"trainer": cfg.trainer.mesh, "sampler": cfg.sampler.mesh, "reward": cfg.reward.mesh}
 
 
 def _cpu_devices(args, cfg) -> int:
     """The CPU devices to emulate: --cpu-devices, or more when a service's mesh needs more."""
-    return max([args.cpu_devices, *(_meshes(cfg)[s].devices_needed() for s in _services(args))])
+    return max([args.cpu_devices,
+                *(_meshes(cfg)[s].devices_needed() for s in _services(args, cfg))])
 
 
 def _targets(args, cfg) -> dict:
@@ -85,14 +96,15 @@ def _targets(args, cfg) -> dict:
     from splitrl_app.planning import cpu_target, tpu_target
 
     hbm = None if args.hbm_gib is None else int(args.hbm_gib * 1024**3)
-    services = _services(args)
+    services = _services(args, cfg)
     if args.platform == "cpu":
         target = cpu_target(hbm)
         meshes = _meshes(cfg)
         return {s: target if -1 in meshes[s].axes.values() else dataclasses.replace(
             target, devices=target.devices[:meshes[s].devices_needed()]) for s in services}
     named = {"trainer": args.trainer_topology or args.topology,
-             "sampler": args.sampler_topology or args.topology}
+             "sampler": args.sampler_topology or args.topology,
+             "reward": args.reward_topology or args.topology}
     missing = [s for s in services if not named[s]]
     if missing:
         raise _PlanError(f"no TPU topology for the {' and '.join(missing)}: give --topology, or "
@@ -125,6 +137,11 @@ def run(args: argparse.Namespace) -> int:
         path = Path(args.model)
         overrides.append(f"model.path={path.parent if path.suffix == '.json' else path}")
     cfg = load_config(args.config, overrides)  # no jax yet: it sizes the emulated devices
+    try:
+        _services(args, cfg)
+    except _PlanError as e:
+        print(f"splitrl plan: {e}", file=sys.stderr)
+        return 2
     _jax_environment(args, cfg)
     from splitrl_app.planning import PlanError, format_reports, libtpu_installed, plan_run
     from splitrl_app.planning.targets import LIBTPU_MISSING
@@ -133,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitrl plan: {LIBTPU_MISSING}", file=sys.stderr)
         return 2
     try:
-        model_config = _model_config(args, cfg)
+        # The policy's config.json (a reward model's own is read by its planner).
+        model_config = (_model_config(args, cfg) if set(_services(args, cfg)) - {"reward"}
+                        else None)
         targets = _targets(args, cfg)
     except (PlanError, _PlanError) as e:
         print(f"splitrl plan: {e}", file=sys.stderr)

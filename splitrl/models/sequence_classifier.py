@@ -123,6 +123,13 @@ class SequenceClassifier(nnx.Module):
                           self.score[...].astype(jnp.float32))
 
 
+def abstract_classifier(config: ClassifierConfig, dtype=jnp.float32) -> SequenceClassifier:
+    """The classifier with ShapeDtypeStruct leaves (no memory), for its graphdef and shapes."""
+    return nnx.eval_shape(lambda: SequenceClassifier(
+        config, CausalLM(config.decoder, dtype=dtype, rngs=nnx.Rngs(0)),
+        jnp.zeros((config.decoder.hidden_size, config.num_labels), dtype)))
+
+
 def load_sequence_classifier(path: str | os.PathLike, dtype=jnp.float32, *,
                              shardings: Mapping[str, jax.sharding.Sharding] | None = None
                              ) -> SequenceClassifier:

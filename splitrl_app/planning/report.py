@@ -68,13 +68,22 @@ def plan_service(planner, *, search: bool) -> ServiceReport:
 
 def plan_run(cfg: Config, model_config: TransformerConfig, targets: dict[str, Target], *,
              search: bool = True, extrapolate_layers: bool = False) -> list[ServiceReport]:
-    """One report per service in `targets` ("trainer", "sampler"); with `extrapolate_layers`
+    """One report per service in `targets` ("trainer", "sampler"; "reward": one per reward model
+    of `reward.models`, at full depth); with `extrapolate_layers` the trainer's and sampler's
     from compiles of two and three of the model's layers (`LayerExtrapolation`)."""
-    from splitrl_app.planning.services import SamplerPlanner, TrainerPlanner
+    from splitrl_app.planning.services import (
+        RewardModelPlanner,
+        SamplerPlanner,
+        TrainerPlanner,
+    )
 
     planners = {"trainer": TrainerPlanner, "sampler": SamplerPlanner}
     reports = []
     for name, target in targets.items():
+        if name == "reward":  # each reward model at full depth (its own checkpoint's config)
+            reports += [plan_service(RewardModelPlanner(cfg, model, target), search=search)
+                        for model in cfg.reward.models]
+            continue
         make = lambda config, kind=planners[name], target=target: kind(cfg, config, target)
         planner = (LayerExtrapolation(make, model_config) if extrapolate_layers
                    else make(model_config))

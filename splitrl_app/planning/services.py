@@ -1,5 +1,5 @@
-"""The trainer's and the sampler's programs, built from a model config alone and compiled for a
-target at a given batch size (`measure(rows)`).
+"""The trainer's, the sampler's and the reward models' programs, built from a model config alone
+and compiled for a target at a given batch size (`measure(rows)`).
 
 Nothing here re-implements a program: the trainer's are `Learner.lower_train_step` of a
 learner over abstract parameters, the sampler's are `Scheduler.lower` (prefill, admit, decode)
@@ -17,8 +17,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from splitrl.config import Config
+from splitrl.config import Config, RewardModelConfig
 from splitrl.mesh import DATA_AXIS, FSDP_AXIS, build_mesh
 from splitrl.models import TransformerConfig, abstract_model, param_shapes, state_from_hf
 from splitrl_app.planning.memory import Measurement, OutOfMemory, compile_program, shard_bytes
@@ -178,5 +179,65 @@ class SamplerPlanner:
                 "temporaries": max(prefill.transient, prefill.new_outputs + admit.transient,
                                    decode.transient),
             }
+
+        return _measure(rows, self.target.hbm_bytes, lowered, categories)
+
+
+class RewardModelPlanner:
+    """A reward model's forward (`reward_service.reward_models.label_scores`) on the reward
+    service's mesh (`reward.mesh`): the longest input bucket `max_length` allows, at the rows
+    `max_batch_tokens` gives it (every forward at one length has one shape)."""
+
+    service = "reward"
+    unit = "sequences per forward"
+
+    def __init__(self, cfg: Config, model: RewardModelConfig, target: Target):
+        from flax import nnx
+
+        from reward_service.reward_models import longest_forward
+        from splitrl.mesh import param_shardings
+        from splitrl.models.sequence_classifier import abstract_classifier, load_classifier_config
+
+        self.model = model
+        self.target = target
+        self.mesh = build_mesh(cfg.reward.mesh, target.devices)
+        self.dtype = jnp.dtype(model.dtype)
+        config = load_classifier_config(model.path)
+        self.graphdef, abstract = nnx.split(abstract_classifier(config, self.dtype))
+        shardings = param_shardings(self.mesh, param_shapes(config.decoder),
+                                    cfg.reward.mesh.strategy)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        leaves = []  # the decoder laid out as the service lays it out; the small head replicated
+        for path, var in nnx.to_flat_state(abstract):
+            name = ".".join(str(p) for p in path[1:]) if path[0] == "backbone" else ""
+            leaves.append((path, var.replace(jax.ShapeDtypeStruct(
+                var.get_value().shape, self.dtype,
+                sharding=shardings.get(name, replicated)))))
+        self.state = nnx.from_flat_state(leaves)
+        self.inputs = replicated
+        self.rows, self.length = longest_forward(model)
+        self.step = 1
+        self.limit = 16 * self.rows
+        self.strategy = cfg.reward.mesh.strategy
+
+    def describe(self, rows: int) -> str:
+        return (f"reward model {self.model.name!r}: {rows} sequences x {self.length} tokens "
+                f"(max_batch_tokens {rows * self.length}, max_length {self.model.max_length}),"
+                f" {self.dtype.name}, strategy {self.strategy}")
+
+    def measure(self, rows: int) -> Measurement:
+        import functools
+
+        from reward_service.reward_models import label_scores
+
+        forward = jax.jit(functools.partial(label_scores, label=self.model.label),
+                          static_argnums=0)
+        tokens = jax.ShapeDtypeStruct((rows, self.length), jnp.int32, sharding=self.inputs)
+        lengths = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self.inputs)
+        lowered = {"score": forward.lower(self.graphdef, self.state, tokens, lengths)}
+
+        def categories(programs):
+            return {"parameters": shard_bytes(self.state),
+                    "temporaries": programs["score"].transient}
 
         return _measure(rows, self.target.hbm_bytes, lowered, categories)

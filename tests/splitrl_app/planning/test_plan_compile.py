@@ -124,6 +124,31 @@ def test_a_service_that_cannot_be_planned_keeps_the_others_report(one_layer_conf
     assert "splitrl plan: sampler: mesh.axes {'tensor': 16} need 16 devices" in captured.err
 
 
+def test_plan_compiles_a_reward_model_on_the_reward_mesh(tmp_path, capsys):
+    """With reward.models, `splitrl plan` compiles each reward model's forward on reward.mesh:
+    its decoder's parameters fsdp-sharded over the mesh, at the rows max_batch_tokens gives the
+    longest input bucket."""
+    rm = init_model(tmp_path / "rm", preset="tiny", vocab="arithmetic", score_labels=1)
+    args = ["plan", "--platform", "cpu", "--only", "reward", "--no-search", "--json",
+            f"reward.models=[{{name: rm, path: '{rm}', max_batch_tokens: 512, "
+            "max_length: 100}]", "reward.functions=[{name: rm}]",
+            "reward.mesh.axes={fsdp: 2}"]
+    assert cli.main(args) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["service"] == "reward" and report["mesh"] == {"fsdp": 2}
+    assert report["rows"] == 4 and "4 sequences x 128 tokens" in report["shape"]
+    from splitrl.models.sequence_classifier import load_classifier_config
+
+    config = load_classifier_config(rm)
+    whole = 4 * (sum(math.prod(s.shape) for s in param_shapes(config.decoder).values())
+                 + config.decoder.hidden_size)  # float32 decoder + the score head
+    # Per device: the fsdp-sharded matrices are halved, the norms and the head are whole.
+    assert whole / 2 < report["bytes"]["parameters"] < whole
+    assert report["bytes"]["temporaries"] > 0
+    assert cli.main(["plan", "--platform", "cpu", "--only", "reward"]) == 2
+    assert "no reward.models to plan" in capsys.readouterr().err
+
+
 def test_plan_refuses_a_model_path_without_config_json(tmp_path, capsys):
     assert cli.main(["plan", "--platform", "cpu", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
