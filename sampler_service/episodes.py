@@ -227,8 +227,11 @@ class _Driver:
             for handle in self.handles.values():
                 handle.cancel()
             for episode in self.episodes.values():
-                if not episode.closed:
-                    self.owner.runner.end(episode.key)  # cancelled: free the environment
+                if not episode.closed:  # cancelled or failed: free its environment
+                    try:
+                        self.owner.runner.end(episode.key)
+                    except Exception:  # noqa: BLE001 - freeing must not hide the cause
+                        log.exception("could not end an episode's environment")
 
     def _handle(self, kind: str, tag, item) -> None:
         if kind == "engine":

@@ -97,7 +97,7 @@ class _Worker:
             self.process.kill()
         self.process.join(2)
         self.conn.close()
-        self.generation += 1
+        self.generation += 1  # its episodes are restored on their next use
         self._spawn()
 
     def request(self, message: tuple, deadline_s: float) -> tuple | None:
@@ -111,7 +111,10 @@ class _Worker:
             pass
         log.warning("environment worker killed or dead; replacing it",
                     extra={"pid": self.process.pid, "request": message[0]})
-        self.replace()
+        try:
+            self.replace()
+        except RuntimeError as e:  # tried again at the next request (its pipe is closed)
+            log.error("environment worker could not be replaced", extra={"error": str(e)})
         return None
 
     def close(self) -> None:
