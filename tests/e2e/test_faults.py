@@ -238,12 +238,18 @@ def test_a_resume_after_skipped_steps_is_bitwise_the_uninterrupted_run(arith_mod
     assert report.ok and report.trained + report.filtered == report.drawn - report.unfinished
 
 
-def test_async_staleness_is_bounded_with_auth(arith_model, tmp_path):
+def test_async_staleness_is_bounded_with_auth_across_a_sigterm_and_resume(arith_model, tmp_path):
     """max_staleness = 1 with a shared auth token on every service: the run uses the token
-    throughout, and calls without it are refused."""
+    throughout, and calls without it are refused. Ctrl-C / SIGTERM mid-run: the trainer
+    finishes its step, checkpoints it and exits 0; the next start continues from exactly
+    there, and across the stop every step is trained once, no group more than one version
+    stale. (One run for both: each used to start its own services.)"""
     run_dir = tmp_path / "run"
-    cfg = run_config(arith_model, run_dir, "trainer.steps=30", "trainer.max_staleness=1",
-                     "trainer.checkpoint.every=100", "services.auth.token=s3cret", *FAST)
+    # SIGTERM 3 steps in: 27 steps left over, so the signal lands mid-run however late the
+    # poll sees step 3 (with 12 steps, ~1.5 s of margin, a loaded machine could lose it).
+    steps = 30
+    cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}", "trainer.max_staleness=1",
+                     "trainer.checkpoint.every=1000", "services.auth.token=s3cret", *FAST)
     launcher = Launcher(cfg)
     try:
         launcher.up()
@@ -260,27 +266,6 @@ def test_async_staleness_is_bounded_with_auth(arith_model, tmp_path):
             with pytest.raises(grpc.RpcError) as err:
                 sampler_pb2_grpc.SamplerStub(channel).PushWeights(iter([header]), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
-    finally:
-        launcher.stop()
-    records = trained_records(run_dir)
-    staleness = [r["trainer_version"] - v for r in records for v in r["versions"]]
-    assert max(staleness) <= 1 and min(staleness) >= 0
-    print(f"staleness histogram: {Counter(staleness)}")
-
-
-def test_trainer_sigterm_checkpoints_where_it_stopped_and_resumes(arith_model, tmp_path):
-    """Ctrl-C / SIGTERM: the trainer finishes its step, checkpoints it and exits 0; the next
-    start continues from exactly there."""
-    run_dir = tmp_path / "run"
-    # 3 steps in, SIGTERM: 27 steps left over, so the signal lands mid-run however late the
-    # poll sees step 3 (with 12 steps, ~1.5 s of margin, a loaded machine could lose it).
-    steps = 30
-    cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
-                     "trainer.checkpoint.every=1000", *FAST)
-    launcher = Launcher(cfg)
-    try:
-        launcher.up()
         wait_for(lambda: status_step(launcher) >= 3, 300, "step 3", launcher)
         launcher.procs["trainer"].send_signal(signal.SIGTERM)
         assert wait_exit(launcher, "trainer", 120) == 0, tail(launcher.log_dir / "trainer.log")
@@ -288,10 +273,15 @@ def test_trainer_sigterm_checkpoints_where_it_stopped_and_resumes(arith_model, t
                    if r.get("msg", "").startswith("stopped")]
         assert stopped, tail(launcher.log_dir / "trainer.log")
         stop_step = stopped[-1]["step"]
+        assert stop_step < steps, "the run ended before the SIGTERM"
         assert (run_dir / "checkpoints" / str(stop_step)).is_dir()
         resumed = run_trainer_again(launcher)
     finally:
         launcher.stop()
     assert resumed and resumed[-1]["step"] == stop_step
-    trained = [r["step"] for r in trained_records(run_dir)]
-    assert trained == list(range(1, steps + 1)), "every step exactly once across the stop"
+    records = trained_records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), (
+        "every step exactly once across the stop")
+    staleness = [r["trainer_version"] - v for r in records for v in r["versions"]]
+    assert max(staleness) <= 1 and min(staleness) >= 0
+    print(f"staleness histogram: {Counter(staleness)}")
