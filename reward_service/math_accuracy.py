@@ -53,6 +53,14 @@ def _math_verify() -> tuple:
     return math_verify, extraction
 
 
+def warm_up() -> None:
+    """Build math-verify's parsers now: their first use costs many times a later parse, and in
+    a fresh worker it would count against the first scored batch's time limit (a worker that
+    replaces one killed at its limit could then time out on an ordinary answer). The worker
+    calls this before it reports ready."""
+    _math_verify()[0].verify(_parse("\\boxed{1}"), _parse("1"), timeout_seconds=None)
+
+
 def _parse(text: str) -> list:
     math_verify, extraction = _math_verify()
     return math_verify.parse(text, extraction, parsing_timeout=None)

@@ -155,7 +155,7 @@ def test_config_is_checked_at_start():
     ([0.5], (0.5, "", "ok")),
     ([RewardValue.zero("why")], (0.0, "why", "ok")),
     ([True], (1.0, "", "ok")),
-    ([None], (0.0, "no score (None)", "ok")),
+    ([None], (0.0, "no score (None)", "none")),
     ([math.nan], (0.0, "non-finite score: nan", "nonfinite")),
     ([-math.inf], (0.0, "non-finite score: -inf", "nonfinite")),
     ([1.0, 2.0], (0.0, "error: returned 2 scores for 1 completion", "error")),
