@@ -18,7 +18,8 @@ over the tensor axis when both divide by it; the page pool is shared by every ro
 are not split. On CPU the kernel runs in Pallas TPU interpret mode
 (`pltpu.force_tpu_interpret_mode`) for tests; `jax.experimental.pallas.ops.tpu.
 ragged_paged_attention` does not run in interpret mode in jax 0.10.2 (its interpreter lacks a
-reshape of refs the kernel uses), which is one reason this module uses `paged_attention`.
+reshape of refs the kernel uses); `paged_attention` takes what the engine's decode has, one
+query token per row.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
+
+from splitrl.models.attention import MASK_VALUE
 
 # Key/value tokens the kernel processes per block: as many whole pages as fit in this.
 _BLOCK_TOKENS = 512
@@ -51,7 +54,7 @@ def paged_attend_xla(q, k_pages, v_pages, lengths, page_indices):
     qg = q.reshape(r, kh, h // kh, dh).astype(jnp.float32) * dh ** -0.5
     s = jnp.einsum("rkgd,rksd->rkgs", qg, keys.astype(jnp.float32))
     visible = jnp.arange(keys.shape[2]) < lengths[:, None, None, None]
-    s = jnp.where(visible, s, -0.7 * float(jnp.finfo(jnp.float32).max))
+    s = jnp.where(visible, s, MASK_VALUE)
     p = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("rkgs,rksd->rkgd", p, values.astype(jnp.float32))
     return out.reshape(r, h, dh).astype(q.dtype)

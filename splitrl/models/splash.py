@@ -50,7 +50,8 @@ def splash_attend(q, k, v, segment_ids, *, interpret: bool = False):
     Query t of row b sees key s iff s <= t and segment_ids[b, s] == segment_ids[b, t]. This
     equals `attention.dense_attend` under ``causal_mask`` for every query whose segment holds
     all the keys the dense mask lets it see (every real token; a padding query may differ,
-    and nothing reads it). Softmax scale 1/sqrt(Dh), in float32 inside the kernel."""
+    and nothing reads it). The kernel does not scale: ``q`` is scaled by 1/sqrt(Dh) first (in
+    float32, then back to its dtype); the kernel's softmax is in float32."""
     b, t, h, dh = q.shape
     kv_heads = k.shape[2]
     block = block_size(t)

@@ -171,6 +171,7 @@ def test_trainer_on_a_tpu_lowers_its_train_step_with_the_splash_kernels(attentio
     assert set(re.findall(r'kernel_name\s*=\s*"([^"]+)"', text)) == kernels
 
 
+@pytest.mark.slow  # the interpreted kernel's backward inside a whole train step (~20 s of CPU)
 def test_learner_train_step_with_splash_on_an_fsdp_mesh_matches_the_dense_step():
     """The trainer's own step with model.attention "splash" on two CPU devices (fsdp=2: the
     kernel runs under the shard_map over the learner's mesh, each device on its rows) against
