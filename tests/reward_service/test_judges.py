@@ -90,6 +90,13 @@ def _items(*completions: str) -> list[Item]:
     return [Item(prompt="q", completion=c, reference="a") for c in completions]
 
 
+def _calls(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("splitrl_reward_judge_calls_total",
+                                     {"judge": "judge", "outcome": outcome}) or 0.0
+
+
 def test_parse_verdict():
     yes_no = re.compile(r"\b(YES|NO)\b")
     assert parse_verdict("I think NO.", yes_no, {"YES": 1.0, "NO": 0.0}) == 0.0
@@ -107,8 +114,10 @@ def test_verdicts_become_scores_and_identical_requests_share_one_call(endpoint):
         assert results[3].reasons["judge"] == "judge gave no verdict"
         assert results[3].statuses["judge"] == "ok"
         assert endpoint.calls == 3  # the two "right" items asked once
+        cached = _calls("cached")
         scorer.score(_items("wrong"))
         assert endpoint.calls == 3  # answered from the cache
+        assert _calls("cached") == cached + 1  # and counted so (per-judge metrics)
         body = endpoint.bodies[0]
         assert (body["model"], body["temperature"], body["seed"]) == ("m", 0.0, 0)
     finally:

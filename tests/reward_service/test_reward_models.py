@@ -84,11 +84,20 @@ def test_scores_are_the_same_alone_or_batched_with_other_requests(scorer):
 
 
 def test_an_input_over_max_length_scores_an_error_and_the_rest_score(scorer):
+    from prometheus_client import REGISTRY
+
+    def errors():
+        return REGISTRY.get_sample_value("splitrl_reward_model_errors_total", {"model": "rm"})
+
+    before = errors() or 0.0
     items = [Item(prompt="2+3=", completion="5"), Item(prompt="2+3=", completion="1" * 60)]
     ok, long = scorer.score(items, ["rm"])
     assert ok.statuses["rm"] == "ok"
     assert long.statuses["rm"] == "error" and long.scores["rm"] == 0.0
     assert "max_length=40" in long.reasons["rm"]
+    assert errors() == before + 1
+    forwards = REGISTRY.get_sample_value("splitrl_reward_model_batch_rows_count", {"model": "rm"})
+    assert forwards and forwards > 0  # per-model metrics: forwards and their batch sizes
 
 
 def test_reward_model_listed_with_its_weight(scorer, reward_model):
