@@ -1,5 +1,6 @@
 """GRPO against a fixed reward model raises its score: a real run whose only reward is a
-sequence classifier (`splitrl init-model --score-labels 1`) served by the reward service."""
+sequence classifier (`splitrl init-model --score-labels 1`) served by the reward service; and
+the run replays bit for bit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from splitrl.init_model import init_model
 from splitrl_app.launch.up import main as launch
-from tests.e2e.harness import run_config, trained_records
+from tests.e2e.harness import run_config, step_metrics, trained_records
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +19,16 @@ def test_grpo_raises_the_mean_score_of_a_fixed_reward_model(arith_model, tmp_pat
     reward_model = init_model(tmp_path / "tiny-rm", preset="tiny", vocab="arithmetic",
                               score_labels=1, seed=7)
     run_dir, steps = tmp_path / "run", 30
-    cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
-                     "trainer.prompts_per_step=8", "algorithm.group_size=8",
-                     "trainer.eval_before=false", "trainer.eval_after=false",
-                     "reward.workers=1", "services.num_samplers=1",
-                     f"reward.models=[{{name: rm, path: '{reward_model}'}}]",
-                     "reward.functions=[{name: rm}]", "reward.accuracy_function=rm")
-    assert launch(cfg) == 0
+
+    def config(run_dir, steps):
+        return run_config(arith_model, run_dir, f"trainer.steps={steps}",
+                          "trainer.prompts_per_step=8", "algorithm.group_size=8",
+                          "trainer.eval_before=false", "trainer.eval_after=false",
+                          "reward.workers=1", "services.num_samplers=1",
+                          f"reward.models=[{{name: rm, path: '{reward_model}'}}]",
+                          "reward.functions=[{name: rm}]", "reward.accuracy_function=rm")
+
+    assert launch(config(run_dir, steps)) == 0
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
              if line.strip()]
     scores = [r["reward/rm/mean"] for r in curve if "reward/rm/mean" in r]
@@ -34,3 +38,8 @@ def test_grpo_raises_the_mean_score_of_a_fixed_reward_model(arith_model, tmp_pat
     print(f"mean reward-model score: first 10 steps {first:.4f}, last 10 steps {last:.4f}")
     assert last > first
     assert len(trained_records(run_dir)) == steps
+    # A synchronous run with a reward model replays bit for bit (the model's scores do not
+    # depend on what shares its forwards): a second, shorter run's steps are the first's.
+    again = tmp_path / "again"
+    assert launch(config(again, 6)) == 0
+    assert step_metrics(again) == step_metrics(run_dir)[:6]
