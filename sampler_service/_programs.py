@@ -13,9 +13,10 @@ the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`
    to the longest) -> every layer's k/v [L, B, W, K, Dh] and the hidden states [B, W, D]. A
    prompt is prefilled once for its n rows.
 2. `admit`: writes each prompt's keys/values into its slots of the cache rows of its n
-   completions (only those slots, in place: a loop over the completions, so the program holds
-   the prompts' keys/values once, not once per row) and draws each row's first token from the
-   logits after the prompt (draw index 0 of its key).
+   completions (only those slots, in place: a loop over the layers and completions, so the
+   program holds the prompts' keys/values once, not once per row, and no copy of the cache)
+   and draws each row's first token from the logits after the prompt (draw index 0 of its
+   key).
 3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
    stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
    refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
@@ -116,10 +117,10 @@ class Programs:
         Returns (cache, tokens, logprobs, stopped), per row.
 
         Only the prompts' slots are gathered (once per prompt) and written, in place in the
-        donated cache, one completion index at a time: the program holds the prompts' keys and
-        values (at most the packed rows' width each), never a copy of the cache nor one per
-        row. A row's slots past its prompt keep whatever they held (stale and finite, masked
-        until decode writes them)."""
+        donated cache, one layer and completion index at a time: the program holds the
+        prompts' keys and values (at most the packed rows' width each), never a copy of the
+        cache nor one per row. A row's slots past its prompt keep whatever they held (stale
+        and finite, masked until decode writes them)."""
         model = self.model(leaves)
         width = cache[0].shape[layout.slot_axes[0]]
         b, w = hidden.shape[:2]
@@ -130,13 +131,18 @@ class Programs:
         k, v = (jnp.take(x.reshape(x.shape[0], b * w, *x.shape[3:]), source, axis=1)
                 for x in kv)  # [L, P, T, K, Dh]
 
-        def write(j, cache):
-            cache = layout.write_prompts(cache, row_slot[:, j], slot, k, v)
+        per = row_slot.shape[1]
+
+        def write(i, cache):  # layer i // per, completion i % per
+            layer, j = i // per, i % per
+            cache = layout.write(cache, layer, row_slot[:, j], slot,
+                                 *(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+                                   for x in (k, v)))
             if sharding is not None:
                 cache = tuple(jax.lax.with_sharding_constraint(x, sharding) for x in cache)
             return cache
 
-        cache = jax.lax.fori_loop(0, row_slot.shape[1], write, tuple(cache))
+        cache = jax.lax.fori_loop(0, k.shape[0] * per, write, tuple(cache))
         last = jnp.take(hidden.reshape(b * w, -1), prompt_start + prompt_length - 1, axis=0)
         logits = jnp.repeat(model.logits(last), row_slot.shape[1], axis=0)  # [P * J, V]
         tokens, logprobs = _draw(logits, params, _row_keys(params),

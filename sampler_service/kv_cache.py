@@ -99,29 +99,18 @@ class CacheLayout:
     def head_axis(self) -> int:
         return 3 if self.slot_major else 2
 
-    def write_token(self, cache: tuple, layer, slot, k, v) -> tuple:
-        """Each row r's key/value ``k[r], v[r]`` [R, K, Dh] at slot ``slot[r]`` of layer
-        ``layer`` (in place when ``cache`` is donated)."""
-        k_cache, v_cache = cache
-        rows = jnp.arange(k_cache.shape[1])
-        if self.slot_major:
-            return (k_cache.at[layer, rows, slot].set(k.astype(k_cache.dtype)),
-                    v_cache.at[layer, rows, slot].set(v.astype(v_cache.dtype)))
-        return (k_cache.at[layer, rows, :, :, slot].set(k.astype(k_cache.dtype)),
-                v_cache.at[layer, rows, :, slot, :].set(v.astype(v_cache.dtype)))
-
-    def write_prompts(self, cache: tuple, rows, slots, k, v) -> tuple:
-        """Every layer's keys/values ``k, v`` [L, N, P, K, Dh] of N prompts at slots
-        ``slots`` [N, P] of rows ``rows`` [N] (an index past the cache: dropped)."""
+    def write(self, cache: tuple, layer, rows, slots, k, v) -> tuple:
+        """Keys/values ``k, v`` [N, P, K, Dh] at slots ``slots`` [N, P] of rows ``rows`` [N]
+        in layer ``layer`` (in place when ``cache`` is donated; an index past the cache:
+        dropped). One layer at a time: with the layer axis in the written window, the TPU
+        compiler lays the whole cache out again for the scatter (a second copy of it)."""
         k_cache, v_cache = cache
         rows = rows[:, None]
         if self.slot_major:
-            return (k_cache.at[:, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
-                    v_cache.at[:, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
-        # [L, N, P, K, Dh] -> [N, P, L, K, Dh]: separated advanced indices come first
-        k, v = (x.transpose(1, 2, 0, 3, 4) for x in (k, v))
-        return (k_cache.at[:, rows, :, :, slots].set(k.astype(k_cache.dtype), mode="drop"),
-                v_cache.at[:, rows, :, slots, :].set(v.astype(v_cache.dtype), mode="drop"))
+            return (k_cache.at[layer, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
+                    v_cache.at[layer, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
+        return (k_cache.at[layer, rows, :, :, slots].set(k.astype(k_cache.dtype), mode="drop"),
+                v_cache.at[layer, rows, :, slots, :].set(v.astype(v_cache.dtype), mode="drop"))
 
     def attend(self, q, cache: tuple, layer, length):
         """Decode attention of q [R, H, Dh] over layer ``layer`` of each row's slots
@@ -309,7 +298,8 @@ class SlotDecodeAttention:
     sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def attend(self, layer, q, k, v):
-        cache = self.layout.write_token(self.cache, layer, self.write, k[:, 0], v[:, 0])
+        rows = jnp.arange(self.write.shape[0])
+        cache = self.layout.write(self.cache, layer, rows, self.write[:, None], k, v)
         if self.sharding is not None:
             cache = tuple(jax.lax.with_sharding_constraint(x, self.sharding) for x in cache)
         out = self.layout.attend(q[:, 0], cache, layer, self.write + 1)
