@@ -69,24 +69,15 @@ class PagedLayout:
         shape = (config.num_layers, config.num_kv_heads, rows, width, config.head_dim)
         return shape, shape
 
-    def write_token(self, cache: tuple, layer, slot, k, v) -> tuple:
-        """Each row r's key/value ``k[r], v[r]`` [R, K, Dh] at slot ``slot[r]`` of layer
-        ``layer`` (in place when ``cache`` is donated)."""
-        k_cache, v_cache = cache
-        rows = jnp.arange(k_cache.shape[self.row_axis])
-        # advanced indices split by the heads' slice: their [R] axis comes first ([R, K, Dh])
-        return (k_cache.at[layer, :, rows, slot].set(k.astype(k_cache.dtype)),
-                v_cache.at[layer, :, rows, slot].set(v.astype(v_cache.dtype)))
-
-    def write_prompts(self, cache: tuple, rows, slots, k, v) -> tuple:
-        """Every layer's keys/values ``k, v`` [L, N, P, K, Dh] of N prompts at slots
-        ``slots`` [N, P] of rows ``rows`` [N] (an index past the cache: dropped)."""
+    def write(self, cache: tuple, layer, rows, slots, k, v) -> tuple:
+        """Keys/values ``k, v`` [N, P, K, Dh] at slots ``slots`` [N, P] of rows ``rows`` [N]
+        in layer ``layer`` (in place when ``cache`` is donated; an index past the cache:
+        dropped), one layer at a time as `kv_cache.CacheLayout.write` says why."""
         k_cache, v_cache = cache
         rows = rows[:, None]
-        # [L, N, P, K, Dh] -> [L, K, N, P, Dh]: adjacent advanced indices stay in place
-        k, v = (x.transpose(0, 3, 1, 2, 4) for x in (k, v))
-        return (k_cache.at[:, :, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
-                v_cache.at[:, :, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
+        # advanced indices split by the heads' slice: their [N, P] axes come first
+        return (k_cache.at[layer, :, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
+                v_cache.at[layer, :, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
 
     def page_table(self, rows: int, width: int) -> jax.Array:
         """[rows, pages per sequence] int32: row r's pages are r * n ... r * n + n - 1."""

@@ -130,8 +130,11 @@ def test_paged_layout_writes_read_back_through_its_page_table_as_the_slot_cache(
     token = [jnp.asarray(rng.standard_normal((rows, kh, dh)), jnp.float32) for _ in range(2)]
     at = jnp.asarray([20, 20, 0, 20])
     for lay in cache:
-        cache[lay] = lay.write_prompts(cache[lay], prompt_rows, prompt_slots, k, v)
-        cache[lay] = lay.write_token(cache[lay], 1, at, *token)
+        for layer in range(layers):
+            cache[lay] = lay.write(cache[lay], layer, prompt_rows, prompt_slots, k[layer],
+                                   v[layer])
+        cache[lay] = lay.write(cache[lay], 1, jnp.arange(rows), at[:, None],
+                               *(x[:, None] for x in token))
     for i in range(2):  # keys, values
         for layer in range(layers):
             pool = paged.pages(cache[paged][i][layer])
