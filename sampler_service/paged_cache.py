@@ -74,10 +74,13 @@ class PagedLayout:
         in layer ``layer`` (in place when ``cache`` is donated; an index past the cache:
         dropped), one layer at a time as `kv_cache.CacheLayout.write` says why."""
         k_cache, v_cache = cache
-        rows = rows[:, None]
-        # advanced indices split by the heads' slice: their [N, P] axes come first
-        return (k_cache.at[layer, :, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
-                v_cache.at[layer, :, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
+        # The heads indexed, not sliced: the written window is the head dimension alone, the
+        # cache's minor one. With the heads in it (a major axis here) the TPU compiler lays the
+        # whole cache out again for the scatter, in admit and through decode's loop.
+        heads = jnp.arange(k_cache.shape[self.head_axis])[None, None, :]
+        rows, slots = rows[:, None, None], slots[:, :, None]
+        return (k_cache.at[layer, heads, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
+                v_cache.at[layer, heads, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
 
     def page_table(self, rows: int, width: int) -> jax.Array:
         """[rows, pages per sequence] int32: row r's pages are r * n ... r * n + n - 1."""
