@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -35,6 +37,13 @@ def wait_for(predicate, timeout_s: float, what: str, launcher: Launcher | None =
                 )
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+def kill_service(launcher: Launcher, name: str) -> None:
+    """SIGKILL one of the launcher's services (e.g. ``sampler-0``) and reap it."""
+    victim = launcher.procs[name]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait()
 
 
 def status_step(launcher: Launcher) -> int:

@@ -18,6 +18,7 @@ from splitrl_app.launch.supervisor import Launcher
 from splitrl_app.launch.up import main as launch
 from tests.e2e.harness import (
     export_digest,
+    kill_service,
     log_records,
     run_config,
     status_step,
@@ -54,9 +55,7 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
     try:
         launcher.up()
         wait_for(lambda: status_step(launcher) >= 4, 300, "step 4", launcher)
-        victim = launcher.procs["sampler-0"]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
+        kill_service(launcher, "sampler-0")
         # A sampler started mid-run registers itself, receives the weights, then gets work.
         # The trainer is paused while the newcomer starts (tens of seconds of imports and
         # compilation), so the run cannot end before it is up, however loaded the machine.

@@ -13,8 +13,6 @@ demo-tools` runs), with the tools in isolated worker processes of each sampler.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from splitrl_app.launch.supervisor import Launcher
 from splitrl_app.launch.up import main as launch
 from tests.e2e.harness import (
     export_digest,
+    kill_service,
     status_step,
     step_metrics,
     tail,
@@ -104,9 +103,7 @@ def test_a_sampler_killed_mid_episode_loses_nothing(tools_model, tmp_path):
     try:
         launcher.up()
         wait_for(lambda: status_step(launcher) >= 3, 600, "step 3", launcher)
-        victim = launcher.procs["sampler-0"]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
+        kill_service(launcher, "sampler-0")
         assert wait_exit(launcher, "trainer", 900) == 0, tail(launcher.log_dir / "trainer.log")
     finally:
         launcher.stop()
