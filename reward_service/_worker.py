@@ -105,7 +105,7 @@ def worker_main(conn, specs: Sequence[FunctionSpec], memory_mb: int | None) -> N
     limit_memory(memory_mb)
     try:
         fns = [resolve(spec.name, spec.options) for spec in specs]
-        if any(spec.name == "math_accuracy" for spec in specs):
+        if math_accuracy.configured(specs):
             math_accuracy.warm_up()  # untimed, before the first batch's limit starts
     except BaseException as e:  # noqa: BLE001
         conn.send(("init_error", short(f"{type(e).__name__}: {e}")))

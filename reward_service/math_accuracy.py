@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from collections.abc import Sequence
 
-from reward_service.registry import RewardValue, register
+from reward_service.registry import FunctionSpec, RewardValue, register
 
 # 1,080 or 12,345,678 but not 1,2 or 3.1,415.
 _THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?![\d,])")
@@ -51,6 +52,12 @@ def _math_verify() -> tuple:
         math_verify.ExprExtractionConfig(),
     )
     return math_verify, extraction
+
+
+def configured(specs: Sequence[FunctionSpec]) -> bool:
+    """Whether ``math_accuracy`` is among the configured functions: the pool then preloads
+    math-verify in its fork server and each worker warms its parsers up."""
+    return any(spec.name == "math_accuracy" for spec in specs)
 
 
 def warm_up() -> None:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from reward_service import _worker
+from reward_service import _worker, math_accuracy
 from reward_service.registry import FunctionSpec
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class WorkerPool:
         self._ctx = multiprocessing.get_context(start_method)
         if start_method == "forkserver":
             modules = [s.name.partition(":")[0] for s in self.specs if ":" in s.name]
-            if any(s.name == "math_accuracy" for s in self.specs):
+            if math_accuracy.configured(self.specs):
                 modules.append("math_verify")  # imported on first use otherwise
             self._ctx.set_forkserver_preload(PRELOAD + modules)
         self._lock = threading.Lock()
