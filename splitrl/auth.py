@@ -208,6 +208,7 @@ def ssl_context(auth: AuthConfig | None, *, server_side: bool) -> ssl.SSLContext
         cafile = _existing("tls_ca", auth.tls_ca) if auth.tls_ca else None
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cafile)
     if auth.tls_cert:
+        assert auth.tls_key, "AuthConfig requires tls_key with tls_cert"
         context.load_cert_chain(_existing("tls_cert", auth.tls_cert),
                                 _existing("tls_key", auth.tls_key))
     context.minimum_version = ssl.TLSVersion.TLSv1_2

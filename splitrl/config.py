@@ -16,6 +16,7 @@ silently training with a default:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -908,7 +909,7 @@ def to_dict(cfg: Section) -> dict[str, Any]:
     return cfg.model_dump()
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load ``path`` (YAML; None = defaults) and apply ``a.b.c=value`` overrides."""
     data: dict[str, Any] = {}
     if path is not None:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic_core import ErrorDetails
 
 
 class ConfigError(ValueError):
@@ -158,7 +159,7 @@ def _got(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def _one(cls: type, error: dict) -> str:
+def _one(cls: type, error: ErrorDetails) -> str:
     loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and "[" in p))
     key, kind, value = dotted(loc), error["type"], error.get("input")
     ctx = error.get("ctx") or {}

@@ -466,7 +466,7 @@ def make_channel(
     options.append((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1))
     creds = channel_credentials(auth)
     if creds is not None:
-        if auth.tls_server_name:
+        if auth is not None and auth.tls_server_name:  # creds come from auth
             options.append(("grpc.ssl_target_name_override", auth.tls_server_name))
         channel = grpc.secure_channel(address, creds, options=options)
     else:

@@ -29,9 +29,12 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+if TYPE_CHECKING:  # transformers is imported only when a tokenizer is loaded
+    from transformers import PreTrainedTokenizerBase
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -233,7 +236,7 @@ def remember_tokenizer_class(model_dir: str | os.PathLike, name: str) -> None:
         update_json(_CLASS_CACHE, key, name)
 
 
-def tokenizer_class_named(name: str) -> type:
+def tokenizer_class_named(name: str) -> type[PreTrainedTokenizerBase]:
     """The tokenizer class `transformers` exports as ``name``; ValueError if there is none."""
     import transformers
     from transformers import PreTrainedTokenizerBase

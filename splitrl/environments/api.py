@@ -72,7 +72,7 @@ def make_environment(name: str, options: dict[str, Any] | None = None) -> Any:
 
 def tool_methods(env: Any) -> dict[str, Callable[..., Any]]:
     """{name: bound method} of the environment's tools: its public methods but ``reset``."""
-    out = {}
+    out: dict[str, Callable[..., Any]] = {}
     for name in dir(type(env)):
         if name.startswith("_") or name in RESERVED:
             continue

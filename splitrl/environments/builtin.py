@@ -8,17 +8,21 @@ import operator
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from decimal import Decimal
 from fractions import Fraction
+from typing import TypedDict
 
 from splitrl.environments.api import register_environment
 
 # ----------------------------------------------------------------------------- calculator
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_BINARY: dict[type[ast.operator], Callable[[Fraction, Fraction | int], Fraction]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Pow: operator.pow}
+_UNARY: dict[type[ast.unaryop], Callable[[Fraction], Fraction]] = {
+    ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
 MAX_MAGNITUDE = Fraction(10) ** 30
@@ -46,6 +50,7 @@ def _eval(node: ast.AST) -> Fraction:
     elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         value = _UNARY[type(node.op)](_eval(node.operand))
     elif isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        right: Fraction | int
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow):
             if right.denominator != 1 or abs(right) > MAX_EXPONENT:
@@ -142,13 +147,19 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class _SandboxLimits(TypedDict):
+    timeout_s: float
+    memory_mb: int
+    max_output_chars: int
+
+
 @register_environment("python", "A Python interpreter tool: python(code) runs a program in an "
                       "isolated process (time and memory limits, no network) and returns its "
                       "output.")
 class PythonSandbox:
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512,
                  max_output_chars: int = 2000):
-        self._limits = dict(timeout_s=timeout_s, memory_mb=memory_mb,
+        self._limits = _SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb,
                             max_output_chars=max_output_chars)
 
     def reset(self, **columns) -> None:

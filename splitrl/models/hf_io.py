@@ -222,7 +222,7 @@ def checkpoint_fingerprint(path: str | os.PathLike) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
-def _weight_files(path: Path) -> dict[Path, list[str] | None]:
+def _weight_files(path: Path) -> Mapping[Path, list[str] | None]:
     """{file: tensor names to read from it (None = all)} for a single-file or sharded checkpoint."""
     if (path / SINGLE_FILE).is_file():
         return {path / SINGLE_FILE: None}

@@ -76,6 +76,7 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora_A is not None:
+            assert self.lora_B is not None, "lora.attach sets lora_A and lora_B together"
             h = x
             if self.lora_key is not None:
                 keep = jax.random.bernoulli(self.lora_key[...], 1.0 - self.lora_dropout, x.shape)
@@ -88,6 +89,7 @@ class Linear(nnx.Module):
         weight instead of calling the layer (the chunked log-prob path reads the LM head)."""
         if self.lora_A is None:
             return self.weight[...]
+        assert self.lora_B is not None, "lora.attach sets lora_A and lora_B together"
         w = self.weight[...]
         delta = self.lora_A.weight[...].astype(w.dtype) @ self.lora_B.weight[...].astype(w.dtype)
         return w + self.lora_scale * delta
@@ -123,6 +125,8 @@ class Attention(nnx.Module):
                              **kw)
         self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_out_bias,
                              **kw)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
@@ -139,7 +143,7 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, attention = attention.attend(layer, q, k, v)

@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +173,7 @@ def init_adapters(config: TransformerConfig, spec: LoraSpec, seed: int = 0
 
 
 def check_adapters(config: TransformerConfig, spec: LoraSpec,
-                   adapters: Mapping[str, object]) -> None:
+                   adapters: Mapping[str, jax.Array | np.ndarray]) -> None:
     """ValueError unless ``adapters`` has exactly the spec's tensors in their shapes."""
     want = spec.shapes(config)
     missing = sorted(set(want) - set(adapters))
@@ -216,7 +217,7 @@ def from_section(section, config: TransformerConfig, seed: int = 0,
 
 
 def _module(model: CausalLM, name: str):
-    node = model
+    node: Any = model  # a module, a layer list or a Linear, as the path walks down
     for part in name.split("."):
         node = node[int(part)] if part.isdigit() else getattr(node, part)
     return node
@@ -236,6 +237,7 @@ def attach(model: CausalLM, spec: LoraSpec, adapters: Mapping[str, jax.Array],
         linear.lora_B = LoraFactor(adapters[f"{target}.{B}"])
         linear.lora_scale = spec.scale
         if use_dropout:
+            assert dropout_key is not None
             linear.lora_dropout = spec.dropout
             key = jax.random.fold_in(dropout_key, i)
             if is_stacked(target):  # one key per layer, stacked like the module's weights

@@ -65,7 +65,7 @@ def param_shapes(config: TransformerConfig,
 
 def param_names(model_or_config: CausalLM | TransformerConfig) -> list[str]:
     """Sorted model-layout names of all parameters (untied models include `lm_head.weight`)."""
-    config = getattr(model_or_config, "config", model_or_config)
+    config = model_or_config.config if isinstance(model_or_config, CausalLM) else model_or_config
     return list(param_shapes(config))
 
 
@@ -110,7 +110,8 @@ def _flat_variables(tree, prefix: tuple) -> list[tuple[tuple, nnx.Variable]]:
     return out
 
 
-def state_from_hf(config: TransformerConfig, flat: Mapping[str, jax.Array | np.ndarray], *,
+def state_from_hf(config: TransformerConfig,
+                  flat: Mapping[str, jax.Array | np.ndarray | jax.ShapeDtypeStruct], *,
                   param_dtype=None) -> nnx.State:
     """Builds the `nnx.State` of a `CausalLM(config)` from `{hf_name: array}`.
 
@@ -220,10 +221,10 @@ def hf_state_dict(model: CausalLM, dtype=None) -> dict[str, np.ndarray]:
 
     `dtype` casts them (default: keep each parameter's dtype).
     """
-    host = {}
+    host: dict[str, np.ndarray | jax.Array] = {}
     for name, value in hf_from_state(nnx.state(model, nnx.Param)).items():
-        value = np.asarray(jax.device_get(value))
-        host[name] = value if dtype is None else value.astype(dtype)
+        array = np.asarray(jax.device_get(value))
+        host[name] = array if dtype is None else array.astype(dtype)
     return {name: np.ascontiguousarray(to_torch_layout(name, value))
             for name, value in unstack_layers(host).items()}
 

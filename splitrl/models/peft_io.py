@@ -37,7 +37,7 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 # adapter_config.json fields whose non-default values change what an adapter computes.
-_UNSUPPORTED = {
+_UNSUPPORTED: dict[str, tuple[object, object]] = {
     "use_dora": (False, None),
     "use_rslora": (False, None),
     "bias": ("none", None),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -45,7 +46,7 @@ def layer_name(stacked: str, layer: int) -> str:
 
 def per_layer_names(names, num_layers: int) -> list[str]:
     """HF names of ``names`` (model-layout), every stacked one expanded into its layers."""
-    out = []
+    out: list[str] = []
     for name in names:
         if is_stacked(name):
             out.extend(layer_name(name, i) for i in range(num_layers))
@@ -54,12 +55,13 @@ def per_layer_names(names, num_layers: int) -> list[str]:
     return out
 
 
-def stack_layers(flat: Mapping[str, object], num_layers: int) -> dict:
+def stack_layers(flat: Mapping[str, np.ndarray | jax.Array], num_layers: int) -> dict:
     """``{HF name: tensor}`` -> ``{model-layout name: tensor}``: each decoder-layer parameter's
     L tensors stacked on a new leading axis (numpy stays numpy, anything else becomes a jax
     array). Other names pass through. A layer missing or out of range is a ValueError naming it.
     """
-    out, layers = {}, {}
+    out: dict[str, np.ndarray | jax.Array] = {}
+    layers: dict[str, dict[int, np.ndarray | jax.Array]] = {}
     for name, value in flat.items():
         stacked, layer = split_layer(name)
         if layer is None:
@@ -80,7 +82,7 @@ def stack_layers(flat: Mapping[str, object], num_layers: int) -> dict:
     return out
 
 
-def unstack_layers(flat: Mapping[str, object]) -> dict:
+def unstack_layers(flat: Mapping[str, np.ndarray | jax.Array]) -> dict:
     """``{model-layout name: tensor}`` -> ``{HF name: tensor}`` (inverse of `stack_layers`):
     each stacked tensor split along its leading axis into per-layer HF names."""
     out = {}

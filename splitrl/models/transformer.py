@@ -217,7 +217,7 @@ def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
 
     for i, (path, var) in enumerate(flat):
         if i == (stacked[0] if stacked else None):  # every layer's tensors, layer after layer
-            per_layer = {j: [] for j in stacked}
+            per_layer: dict[int, list[np.ndarray]] = {j: [] for j in stacked}
             for _ in range(config.num_layers):
                 for j in stacked:
                     per_layer[j].append(draw(flat[j][0], flat[j][1].get_value().shape[1:]))

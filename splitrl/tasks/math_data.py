@@ -61,14 +61,15 @@ class _HubTask(Task):
 
     def __init__(self, path: str | os.PathLike | None = None, instruction: str | None = None,
                  subset: str | None = None):
-        self.from_hub = path is None and default_data_dir() is None
+        data_dir = default_data_dir()
+        self.from_hub = path is None and data_dir is None
         if path is not None:
             self.path = str(path)
-        elif self.from_hub:
+        elif data_dir is None:
             self.path = self.hub_name
             subset = self.hub_subset if subset is None else subset
         else:
-            self.path = str(default_data_dir() / self.default_dir)
+            self.path = str(data_dir / self.default_dir)
         self.instruction = instruction
         self.subset = subset
 

@@ -112,7 +112,7 @@ def array_digest(array) -> str:
     host = np.asarray(array)
     h = hashlib.sha256()
     h.update(f"{dtype_name(host.dtype)}{list(host.shape)}".encode())
-    h.update(byte_view(host))
+    h.update(byte_view(host).data)
     return "sha256:" + h.hexdigest()
 
 
