@@ -166,7 +166,7 @@ class FrameStream:
         """True once a frame (or EOF) can be read, False after ``timeout_s`` of silence. On TLS
         the socket may be readable with protocol records only (a session ticket): a byte of
         data is read to be sure, and kept for the next read."""
-        if self._peeked or (self.tls and self.sock.pending()):
+        if self._peeked or (isinstance(self.sock, ssl.SSLSocket) and self.sock.pending()):
             return True
         deadline = time.monotonic() + timeout_s
         while True:
@@ -251,6 +251,7 @@ def connect(address: str, *, auth: AuthConfig | None, idle_timeout_s: float,
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     context = ssl_context(auth, server_side=False)
     if context is not None:
+        assert auth is not None  # ssl_context is None without auth
         try:
             sock = context.wrap_socket(sock, server_hostname=auth.tls_server_name or host)
         except (OSError, ssl.SSLError) as e:

@@ -90,6 +90,12 @@ class PushLink:
         return self.stream.bytes_sent if self.stream is not None else 0
 
     @property
+    def _open_stream(self) -> FrameStream:
+        """The stream of an open link (a link that failed to connect is settled, not open)."""
+        assert self.stream is not None, "an open link has a stream"
+        return self.stream
+
+    @property
     def open(self) -> bool:
         """Still sending: connected, and the receiver has not answered yet."""
         return self._result is None
@@ -100,23 +106,23 @@ class PushLink:
         if not self.open:
             return
         chunk.payload_bytes = len(payload)
-        self._guard(lambda: self.stream.send(CHUNK, chunk, payload))
+        self._guard(lambda: self._open_stream.send(CHUNK, chunk, payload))
 
     def forward(self, head: bytes, payload: Sequence[memoryview]) -> None:
         """A frame exactly as it was received (a relay passing it on from where it landed)."""
         if self.open:
-            self._guard(lambda: self.stream.send_raw(head, payload))
+            self._guard(lambda: self._open_stream.send_raw(head, payload))
 
     def end(self) -> None:
         if self.open:
-            self._guard(lambda: self.stream.send(END))
+            self._guard(lambda: self._open_stream.send(END))
 
     def _guard(self, send: Callable[[], None]) -> None:
         try:
             now = time.monotonic()
             if now >= self._next_look:  # the receiver answered before the end: it refused
                 self._next_look = now + _LOOK_EVERY_S
-                if self.stream.readable(0):
+                if self._open_stream.readable(0):
                     self._take_report(final=None)
                     return
             send()
@@ -140,11 +146,11 @@ class PushLink:
             if deadline is not None:
                 wait = min(wait, deadline - now)
             try:
-                if not self.stream.readable(max(wait, 0.0)):
+                if not self._open_stream.readable(max(wait, 0.0)):
                     if time.monotonic() - silent_since > self.idle_timeout_s:
                         self._fail(f"no report and no keepalive for {self.idle_timeout_s:.0f}s")
                     continue
-                kind, meta, _ = expect(self.stream, [REPORT, KEEPALIVE], "a REPORT")
+                kind, meta, _ = expect(self._open_stream, [REPORT, KEEPALIVE], "a REPORT")
                 if kind == KEEPALIVE:
                     silent_since = time.monotonic()
                     if on_keepalive is not None:
@@ -157,10 +163,11 @@ class PushLink:
                                 f"{self.route[0]}: a staged report where the final one was due")
             except (PeerGone, WireError) as e:
                 self._fail(str(e))
+        assert self._result is not None  # the loop ends once the link is settled
         return self._result
 
     def _take_report(self, final: bool | None) -> None:
-        kind, meta, _ = expect(self.stream, [REPORT, KEEPALIVE], "a REPORT")
+        kind, meta, _ = expect(self._open_stream, [REPORT, KEEPALIVE], "a REPORT")
         if kind == REPORT:
             self._settle(parse_meta(dataplane_pb2.BulkReport, meta, "REPORT"))
 
@@ -185,7 +192,7 @@ class PushLink:
     def decide(self, commit: bool) -> None:
         """Tell the receiver to swap in what it staged (or to drop it)."""
         if self.open:
-            self._guard(lambda: self.stream.send(DECISION, dataplane_pb2.BulkDecision(
+            self._guard(lambda: self._open_stream.send(DECISION, dataplane_pb2.BulkDecision(
                 commit=commit)))
 
     def run(self, frames: Iterable[Frame], *, deadline: float
@@ -226,4 +233,5 @@ class PushLink:
               ) -> list[dataplane_pb2.PushOutcome]:
         """Hang up (the receiver then drops what it staged); returns the settled outcomes."""
         self._fail(why)
+        assert self._result is not None  # _fail settles the link
         return self._result

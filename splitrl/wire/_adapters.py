@@ -15,6 +15,7 @@ import grpc
 from splitrl.models.config import TransformerConfig
 from splitrl.models.lora import LoraSpec
 from splitrl.v1 import sampler_pb2
+from splitrl.wire._core import WireArray
 from splitrl.wire._layout import TargetLayout
 from splitrl.wire_error import WireError
 
@@ -42,7 +43,7 @@ def spec_from_header(lora: sampler_pb2.LoraAdapters, config: TransformerConfig) 
     return spec
 
 
-def adapter_layouts(info: sampler_pb2.SamplerInfo, adapters: Mapping[str, object]
+def adapter_layouts(info: sampler_pb2.SamplerInfo, adapters: Mapping[str, WireArray]
                     ) -> dict[str, TargetLayout]:
     """How a sampler (its ``GetInfo``) receives ``adapters``: whole float32 tensors."""
     axes = tuple(zip(info.mesh.axis_names, (int(s) for s in info.mesh.axis_sizes), strict=True))

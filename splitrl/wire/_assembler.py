@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+from numpy.typing import DTypeLike
 
 from splitrl.v1 import tensor_pb2
 from splitrl.wire._core import (
@@ -62,19 +63,21 @@ class _Region:
 
     def place(self, start: int, end: int) -> memoryview | None:
         """The region's bytes [start, end) as one writable view, if they are contiguous."""
+        assert self.flat is not None, "a complete region receives no more bytes"
         if end <= start:
-            return memoryview(self.flat[:0])
+            return self.flat[:0].data
         first, last = start // self.run_bytes, (end - 1) // self.run_bytes
         if first != last:
             return None
         at = int(self.runs[first]) if len(self.runs) else 0
         offset = start - first * self.run_bytes
-        return memoryview(self.flat[at + offset : at + offset + end - start])
+        return self.flat[at + offset : at + offset + end - start].data
 
     def write(self, start: int, end: int, data: np.ndarray) -> None:
         """Copy ``data`` (flat bytes) to the region's bytes [start, end): whole runs in one
         strided numpy copy when the runs are evenly spaced (rows of a 2-D block)."""
         step, runs = self.run_bytes, self.runs
+        assert self.flat is not None, "a complete region receives no more bytes"
         if end <= start:
             return
         first, last = start // step, (end - 1) // step
@@ -194,7 +197,7 @@ class ChunkAssembler:
         total_bytes: int | None = None,
         base: Callable[[str], np.ndarray] | None = None,
         blocks: Mapping[str, Sequence[Bounds]] | None = None,
-        allocate: Callable[[tuple[int, ...], np.dtype], np.ndarray] = aligned_empty,
+        allocate: Callable[[tuple[int, ...], DTypeLike], np.ndarray] = aligned_empty,
     ):
         self.version = version
         self._allocate = allocate
@@ -205,7 +208,8 @@ class ChunkAssembler:
             shape = tuple(int(d) for d in shape)
             own = (blocks or {}).get(name) or [tuple((0, n) for n in shape)]
             self._tensors[name] = _Tensor(numpy_dtype(dtype), dtype, shape,
-                                          [_Block(tuple(map(tuple, b))) for b in own])
+                                          [_Block(tuple((a, b) for a, b in bounds))
+                                           for bounds in own])
         self.expected_bytes = sum(t.size * t.dtype.itemsize for t in self._tensors.values())
         if tensor_count is not None and tensor_count != len(self._tensors):
             raise WireError(_INVALID, f"header.tensor_count is {tensor_count}, expected "
@@ -262,10 +266,10 @@ class ChunkAssembler:
         tensor, region, start, end, where = self._locate(chunk, size)
         view = region.place(start, end)
         scattered = view is None
-        if scattered:
+        if view is None:
             if self._scratch is None or len(self._scratch) < size:
                 self._scratch = self._allocate((max(size, self.max_chunk_bytes),), np.uint8)
-            view = memoryview(self._scratch[:size])
+            view = self._scratch[:size].data
         self._pending = _Pending(chunk, tensor, region, start, end, where, view, scattered)
         return view
 
@@ -359,6 +363,7 @@ class ChunkAssembler:
         if region.received < region.nbytes:
             return None
         if region.own:
+            assert region.flat is not None  # set to None below, once the region is complete
             values = region.flat.view(tensor.dtype).reshape(region.shape)
             for block in tensor.blocks:
                 part = overlap(region.bounds, block.bounds)
@@ -397,9 +402,9 @@ class ChunkAssembler:
                                 f"shape {list(other.shape)} already received")
         nbytes = math.prod(shape) * tensor.dtype.itemsize
         bounds = tuple((s, s + n) for s, n in zip(start, shape, strict=True))
-        home = _home(bounds, tuple(b.bounds for b in tensor.blocks))
-        if home is not None:
-            home = tensor.blocks[home]
+        home_index = _home(bounds, tuple(b.bounds for b in tensor.blocks))
+        if home_index is not None:
+            home = tensor.blocks[home_index]
             runs, run_bytes = _runs(bounds, home.bounds, tensor.dtype.itemsize)
             flat = self._block_array(tensor, home).reshape(-1).view(np.uint8)
             region = _Region(start, shape, nbytes, flat, runs, run_bytes, own=False)
@@ -416,6 +421,7 @@ class ChunkAssembler:
 
     def _region_base(self, name: str, tensor: _Tensor, region: _Region) -> np.ndarray:
         if tensor.base is None:
+            assert self._base is not None  # receive() refuses a delta chunk without a base
             base = np.asarray(self._base(name))
             if base.shape != tensor.shape or base.dtype != tensor.dtype:
                 raise WireError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -29,7 +29,8 @@ def _as_uint(raw: np.ndarray, itemsize: int) -> np.ndarray:
     return raw.view(np.dtype(f"<u{itemsize}"))
 
 
-def delta_encode(new: np.ndarray, base: np.ndarray, itemsize: int) -> tuple[int, bytes] | None:
+def delta_encode(new: np.ndarray, base: np.ndarray,
+                 itemsize: int) -> tuple[tensor_pb2.TensorChunk.Encoding, bytes] | None:
     """The smallest delta turning ``base`` into ``new`` (flat uint8 views of equal length) as
     ``(encoding, payload)``, or None when no delta is smaller than ``new`` itself."""
     a, b = _as_uint(new, itemsize), _as_uint(base, itemsize)

@@ -8,11 +8,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import product
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from splitrl.v1 import sampler_pb2
 from splitrl.wire._core import dtype_name
+
+if TYPE_CHECKING:  # the wire reads jax arrays without importing jax
+    import jax
 
 Bounds = tuple[tuple[int, int], ...]  # [start, stop) per dim
 
@@ -110,7 +114,7 @@ def sender_blocks(array) -> list[SenderBlock]:
     shards = getattr(array, "addressable_shards", None)
     if shards is None:
         return [SenderBlock(tuple((0, n) for n in shape), lambda: np.asarray(array))]
-    blocks = {}
+    blocks: dict[Bounds, jax.Shard] = {}
     for shard in shards:
         if shard.replica_id != 0:
             continue
@@ -122,8 +126,12 @@ def sender_blocks(array) -> list[SenderBlock]:
             f"array of shape {list(shape)} is not fully addressable by this process "
             f"(its replica-0 shards cover {covered} of {math.prod(shape)} elements); "
             "a multi-host sender must push from a process that holds every region")
-    return [SenderBlock(bounds, lambda s=shard: np.asarray(s.data))
+    return [SenderBlock(bounds, functools.partial(_read_shard, shard))
             for bounds, shard in sorted(blocks.items())]
+
+
+def _read_shard(shard: jax.Shard) -> np.ndarray:
+    return np.asarray(shard.data)
 
 
 @functools.lru_cache(maxsize=4096)

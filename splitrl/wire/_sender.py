@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from splitrl.v1 import sampler_pb2, tensor_pb2
-from splitrl.wire._core import byte_view, checksum, dtype_name, numpy_dtype
+from splitrl.wire._core import WireArray, byte_view, checksum, dtype_name, numpy_dtype
 from splitrl.wire._delta import delta_encode
 from splitrl.wire._layout import (
     Bounds,
@@ -74,7 +74,7 @@ def iter_region_frames(
                              f"{region.dtype}{list(region.shape)}")
         old = byte_view(base)
     step = max_chunk_bytes // itemsize * itemsize
-    view = memoryview(raw)
+    view = raw.data
     for offset in range(0, max(raw.size, 1), step):
         yield _chunk(meta, offset, view[offset : offset + step], raw[offset : offset + step],
                      None if old is None else old[offset : offset + step], itemsize)
@@ -133,8 +133,8 @@ def iter_tensor_frames(
     gather = gather or GatherBuffers()
     itemsize = shards[0].host.dtype.itemsize
     bounds = tuple(shard.bounds for shard in shards)
-    for block in target_blocks(shape, target):
-        plan = _plan(block, bounds, max_chunk_bytes // itemsize * itemsize, itemsize)
+    for target_block in target_blocks(shape, target):
+        plan = _plan(target_block, bounds, max_chunk_bytes // itemsize * itemsize, itemsize)
         yield from _block_frames(name, plan, shards, shape=shape, version=version,
                                  max_chunk_bytes=max_chunk_bytes, gather=gather)
     if sink is not None:  # after the tensor's chunks: the bases may be overwritten now
@@ -262,11 +262,13 @@ def _block_frames(name: str, plan: _BlockPlan, shards: Sequence[_Shard], *, shap
         for inside, i, local in copies:
             out[inside] = shards[i].host[local]
             if old is not None:
-                old.view(dtype).reshape(out.shape)[inside] = shards[i].old[local]
-        yield _chunk(meta, first * row_bytes, memoryview(new), new, old, dtype.itemsize)
+                base = shards[i].old
+                assert base is not None  # delta: every shard gathered from has its base
+                old.view(dtype).reshape(out.shape)[inside] = base[local]
+        yield _chunk(meta, first * row_bytes, new.data, new, old, dtype.itemsize)
 
 
-def check_targets(flat_params: Mapping[str, object],
+def check_targets(flat_params: Mapping[str, WireArray],
                   target_shardings: Mapping[str, TargetLayout] | None) -> None:
     """ValueError unless the receiver's layout names exactly our parameters, in our shapes."""
     if target_shardings is None:
@@ -284,7 +286,7 @@ def check_targets(flat_params: Mapping[str, object],
 
 
 def push_header(
-    flat_params: Mapping[str, object],
+    flat_params: Mapping[str, WireArray],
     version: int,
     *,
     target_shardings: Mapping[str, TargetLayout] | None = None,
@@ -307,7 +309,7 @@ def push_header(
 
 
 def iter_push_frames(
-    flat_params: Mapping[str, object],
+    flat_params: Mapping[str, WireArray],
     version: int,
     *,
     max_chunk_bytes: int,
@@ -349,7 +351,7 @@ def iter_tensor_chunks(name: str, array, **kw) -> Iterator[tensor_pb2.TensorChun
 
 
 def iter_push_messages(
-    flat_params: Mapping[str, object],
+    flat_params: Mapping[str, WireArray],
     version: int,
     *,
     max_chunk_bytes: int,
