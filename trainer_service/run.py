@@ -1,4 +1,4 @@
-"""The trainer's run: pull scored groups, update the policy, push weights, checkpoint.
+"""The leader's run: pull scored groups, update the policy, push weights, checkpoint.
 
 One step reads like the algorithm::
 
@@ -18,10 +18,15 @@ Nothing is lost: every drawn prompt belongs to the rollout queue (``queue.py``) 
 trained on, filtered or dropped; its unfinished items are saved with every checkpoint and
 queued first on resume; the audit trail (``audit.py``) lists every trained prompt once.
 
+The pieces, one concern each: :class:`~trainer_service.policy.Policy` holds the learner, its
+checkpoints and the host group (every process has one); ``prompt_feed.py`` draws the prompts
+and collects a step's groups; ``orchestration/parts.py`` wires the samplers, the queue and the
+publisher; ``step_metrics.py`` turns a step's rollouts into metrics. This module owns the step
+count, the order of a step, when to push, and how the run ends (``summary.json``).
+
 Multi-host (several JAX processes, see ``multihost.py``): process 0 runs this loop; every other
-process builds the same mesh and learner and follows it, making the same collective calls
-(train step, gather for a push, checkpoint) in the same order. The ``self.hosts`` calls below
-are those hand-offs; with one process they do nothing.
+process runs ``follower.py``, making the same collective calls (train step, gather for a push,
+checkpoint) in the same order, on the leader's word. With one process there is only the leader.
 """
 
 from __future__ import annotations
@@ -33,22 +38,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jax
-
 from splitrl.agreement import agreed_settings
 from splitrl.auth import auth_metadata
-from splitrl.config import Config, dump_config, to_dict
+from splitrl.config import Config, dump_config
 from splitrl.jsonl import JsonlAppender
 from splitrl.logs import set_context
-from splitrl.mesh import build_mesh
-from splitrl.models import from_pretrained, param_shapes
+from splitrl.models import param_shapes
 from splitrl.retry import wait_until
 from splitrl.tokenizer import decode, load_tokenizer
 from trainer_service.learning.batching import batch_length, build_train_batch
-from trainer_service.learning.checkpoints import Checkpointer, SaveFailed
-from trainer_service.learning.export import export_adapter, export_hf
-from trainer_service.learning.learner import Learner
-from trainer_service.learning.multihost import HostGroup, follow, host_model
+from trainer_service.learning.checkpoints import SaveFailed
+from trainer_service.learning.multihost import HostGroup
 from trainer_service.orchestration.evaluation import (
     accuracy_function,
     collect_lane,
@@ -62,6 +62,7 @@ from trainer_service.orchestration.parts import build_leader_parts
 from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
 from trainer_service.orchestration.rollouts import EVAL
+from trainer_service.policy import Policy
 from trainer_service.prompt_feed import Collected, PromptFeed
 from trainer_service.resume import check_resume
 from trainer_service.step_metrics import LOGGED, rollout_metrics
@@ -84,17 +85,18 @@ class RunState:
     data_cursor: dict = field(default_factory=dict)
 
 
-class TrainerRun:
-    def __init__(self, cfg: Config):
+class LeaderRun:
+    """Process 0's run (the only one with one process): everything that talks to the world."""
+
+    def __init__(self, cfg: Config, hosts: HostGroup):
         self.cfg = cfg
         tcfg = cfg.trainer
-        self.hosts = HostGroup.current()  # process 0 leads; one process: the leader, alone
+        self.hosts = hosts
         self.run_dir = Path(tcfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.hosts.is_leader:
-            # This attempt's summary, written when it ends: never an earlier attempt's.
-            (self.run_dir / "summary.json").unlink(missing_ok=True)
-            dump_config(cfg, self.run_dir / "config.yaml")
+        # This attempt's summary, written when it ends: never an earlier attempt's.
+        (self.run_dir / "summary.json").unlink(missing_ok=True)
+        dump_config(cfg, self.run_dir / "config.yaml")
         self.status = RunState(total_steps=tcfg.steps)
         self.stop_event = threading.Event()
         self.stop_reason = ""  # why the run stopped or failed, for summary.json
@@ -104,46 +106,41 @@ class TrainerRun:
         self._holding: Collected | None = None
         self.metadata = auth_metadata(cfg.services.auth)
 
-        # Every process: the global mesh, the learner and its checkpoints.
-        self.mesh = build_mesh(tcfg.mesh)
-        model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-        self.learner = Learner.from_config(model, cfg, self.mesh)
-        log.info("learner state", extra={  # what LoRA saves shows here (bench/lora_memory.py)
-            f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
-        self.checkpointer = Checkpointer.from_config(tcfg.checkpoint, self.run_dir)
+        self.policy = Policy(cfg, hosts)
+        self.checkpointer = self.policy.checkpointer
         self.step = 0  # steps run, with or without an update; the weight version is the learner's
-        self._params_lock = threading.Lock()
         self._push_in_flight: PushInFlight | None = None
+        self._pushed_version = 0
         self._last_step_end: float | None = None  # monotonic time the previous step ended
-        if self.hosts.is_leader:
-            self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
-            self.pad_id = self.tokenizer.pad_token_id or 0
-            self.parts = build_leader_parts(cfg, tokenizer=self.tokenizer,
-                                            metadata=self.metadata, run_dir=self.run_dir,
-                                            current_weights=self._host_params,
-                                            identity=ModelIdentity.of(
-                                                model.config.architecture,
-                                                param_shapes(model.config),
-                                                self.learner.base_fingerprint,
-                                                agreed_settings(cfg, model.config,
-                                                                self.tokenizer)),
-                                            lora=self.learner.lora)
-            self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
-            self.feed = PromptFeed(cfg, self.data, self.queue, self.stop_event)
-            self.publisher, self.audit = self.parts.publisher, self.parts.audit
-            self.accuracy_fn = accuracy_function(cfg)
-            self.reward_checks = RewardChecks.from_config(cfg.reward)
-            self.metrics_file = JsonlAppender(self.run_dir / "metrics.jsonl")
+        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
+        self.pad_id = self.tokenizer.pad_token_id or 0
+        learner = self.policy.learner
+        self.parts = build_leader_parts(cfg, tokenizer=self.tokenizer,
+                                        metadata=self.metadata, run_dir=self.run_dir,
+                                        current_weights=self.policy.current_weights,
+                                        identity=ModelIdentity.of(
+                                            learner.config.architecture,
+                                            param_shapes(learner.config),
+                                            learner.base_fingerprint,
+                                            agreed_settings(cfg, learner.config,
+                                                            self.tokenizer)),
+                                        lora=learner.lora)
+        self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
+        self.feed = PromptFeed(cfg, self.data, self.queue, self.stop_event)
+        self.publisher, self.audit = self.parts.publisher, self.parts.audit
+        self.accuracy_fn = accuracy_function(cfg)
+        self.reward_checks = RewardChecks.from_config(cfg.reward)
+        self.metrics_file = JsonlAppender(self.run_dir / "metrics.jsonl")
+        self.resumed_from: int | None = None
         self._restore()  # refuses a checkpoint of another config before anything else starts
-        if self.hosts.is_leader:
-            self.trackers = Trackers.from_config(cfg, self.run_dir, self.accuracy_fn)
+        self.trackers = Trackers.from_config(cfg, self.run_dir, self.accuracy_fn)
 
     @property
     def version(self) -> int:
         """The weight version: the learner's count of updates (its one owner). A step with
         nothing to train on leaves it, so it may trail ``step``; the queue, the pushes, the
         status and the checkpoint read it from here."""
-        return self.learner.version
+        return self.policy.version
 
     # -- one step -------------------------------------------------------------------------
 
@@ -173,7 +170,8 @@ class TrainerRun:
         if collected.groups:
             batch = build_train_batch(collected.groups, self.cfg.algorithm, pad_id=self.pad_id,
                                       longest=self._longest_row())
-            metrics.update(self._update(batch))  # the learner may skip it too ("skipped")
+            metrics.update(self.policy.train(batch))  # the learner may skip it ("skipped")
+            self.queue.set_version(self.version)
         else:  # nothing with signal within the bounds: a step without an update
             metrics["skipped"] = 1.0
         self.step += 1
@@ -199,13 +197,6 @@ class TrainerRun:
         })
         return metrics
 
-    def _update(self, batch) -> dict[str, float]:
-        self.hosts.train(batch)  # multi-host: every process trains on this batch
-        with self._params_lock:
-            metrics = self.learner.train_step(batch)
-        self.queue.set_version(self.version)
-        return metrics
-
     def _push(self) -> dict[str, float]:
         tcfg = self.cfg.trainer
         due = self.step % tcfg.push_every == 0 or self.step == tcfg.steps
@@ -216,10 +207,10 @@ class TrainerRun:
         waited = time.monotonic()
         results = self._finish_push()
         if tcfg.max_staleness >= 1:
-            self._push_in_flight = self.publisher.push_all_async(self._params_for_push(),
+            self._push_in_flight = self.publisher.push_all_async(self.policy.params_for_push(),
                                                                  self.version)
         else:
-            results = self.publisher.push_all(self._params_for_push(), self.version)
+            results = self.publisher.push_all(self.policy.params_for_push(), self.version)
         self._pushed_version = self.version
         finished = push_metrics(results) if results is not None else {}  # none finished yet
         return {"time/push_wait_s": time.monotonic() - waited, **finished}
@@ -229,13 +220,43 @@ class TrainerRun:
         in_flight, self._push_in_flight = self._push_in_flight, None
         return in_flight.wait() if in_flight is not None else None
 
-    # -- metrics --------------------------------------------------------------------------
+    def _longest_row(self) -> int | None:
+        """The most tokens a train row can have: the longest train prompt (the length check
+        measured them all) plus the generation budget; None when not measured."""
+        report = self.data.length_reports.get("train")
+        if report is None or report.longest == 0:
+            return None
+        return report.longest + self.cfg.sampling.max_new_tokens
+
+    def _start_warm_up(self) -> threading.Thread | None:
+        """Compile the train step for the batch shape the first step will most likely have
+        (every prompt's group, the longest prompt plus the full generation budget), in the
+        background while the samplers start and generate."""
+        longest = self._longest_row()
+        if longest is None:
+            return None
+        rows = self.cfg.trainer.prompts_per_step * self.cfg.algorithm.group_size
+        return self.policy.start_warm_up(rows, batch_length(longest, longest))
+
+    # -- metrics and evaluation -----------------------------------------------------------
 
     def _write_metrics(self, record: dict) -> None:
         self.metrics_file.write(record)
         self.trackers.log(record)
 
-    # -- evaluation -----------------------------------------------------------------------
+    def _report(self, metrics, progress, started: float, start_step: int) -> None:
+        set_context(step=self.step, weight_version=self.version)
+        elapsed = time.monotonic() - started
+        self.status.step, self.status.version = self.step, self.version
+        self.status.steps_per_s = (self.step - start_step) / max(elapsed, 1e-9)
+        self.status.tokens_per_s = metrics["throughput/tokens_per_s"]
+        self.status.last_metrics = metrics
+        self.status.data_cursor = self.data.state_dict()
+        self._write_metrics({"step": self.step, "version": self.version, **metrics})
+        if progress is not None:
+            progress(self.step, metrics)
+        if self.step % self.cfg.trainer.log_every == 0:
+            log.info("step", extra={k: round(v, 5) for k, v in metrics.items() if k in LOGGED})
 
     def _evaluate(self, tag: str) -> dict[str, float]:
         """Greedy pass@1 on the evaluation rows, through the samplers (the eval lane)."""
@@ -255,18 +276,13 @@ class TrainerRun:
         log.info("evaluation", extra=result)
         return result
 
-    # -- samplers -------------------------------------------------------------------------
-
-    def _host_params(self):
-        with self._params_lock:
-            if self.hosts.multi:  # a collective cannot start on this thread: the last gather
-                return self.hosts.gathered
-            return jax.device_get(self.learner.params), self.version
-
-    def _params_for_push(self):
-        """The params as the weight sender reads them: straight from the devices (one
-        process), or gathered to this host together with the followers (multi-host)."""
-        return self.hosts.params_for_push(self.learner.params, self.version)
+    def _eval_due(self) -> bool:
+        """``trainer.eval_every``: a periodic evaluation after this step (the last step's is
+        eval_after's when that is on)."""
+        every, tcfg = self.cfg.trainer.eval_every, self.cfg.trainer
+        if not every or self.step % every or self.stop_event.is_set():
+            return False
+        return self.step < tcfg.steps or not tcfg.eval_after
 
     def _wait_for_samplers(self) -> None:
         wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
@@ -276,33 +292,19 @@ class TrainerRun:
     # -- checkpoint / resume --------------------------------------------------------------
 
     def _restore(self) -> None:
-        self._pushed_version = 0
-        self.resumed_from: int | None = None
-        if self.checkpointer.latest_step() is None:
-            if self.hosts.is_leader:  # a start from step 0: earlier records are redone
-                rolled_back = self.audit.roll_back_to(0)
-                if rolled_back:
-                    log.warning("no checkpoint: training from step 0; the audit trail's "
-                                "earlier records are rolled back",
-                                extra={"rolled_back_records": rolled_back, "console": True})
+        restored = self.policy.restore(
+            lambda meta: check_resume(self.cfg, meta, str(self.run_dir)))  # same run only
+        if restored is None:  # a start from step 0: earlier records are redone
+            rolled_back = self.audit.roll_back_to(0)
+            if rolled_back:
+                log.warning("no checkpoint: training from step 0; the audit trail's earlier "
+                            "records are rolled back",
+                            extra={"rolled_back_records": rolled_back, "console": True})
             return
-
-        def check(meta: dict) -> None:
-            check_resume(self.cfg, meta, str(self.run_dir))  # same run only
-            # The train state's kind (LoRA or not, rank, targets, base): even
-            # trainer.resume=force cannot load adapters onto other weights.
-            self.learner.check_checkpoint_meta(
-                meta.get("learner"), where=f"checkpoint in {self.checkpointer.directory}")
-
-        ckpt, skipped = self.checkpointer.restore_newest(self.learner.abstract_train_state(),
-                                                         check, move_aside=self.hosts.is_leader)
-        self.resumed_from = ckpt.step
-        self.learner.load_train_state(ckpt.state, ckpt.weight_version)
-        self.step = ckpt.step
+        ckpt, skipped = restored
+        self.resumed_from = self.step = ckpt.step
         # Status says the resumed step from now on, not 0 until the first new step is done.
         self.status.step, self.status.version = self.step, self.version
-        if not self.hosts.is_leader:
-            return  # the data cursor is the leader's
         self.queue.set_version(self.version)
         requeued = self.feed.restore(ckpt.data_cursor)
         rolled_back = self.audit.roll_back_to(self.step)
@@ -321,25 +323,23 @@ class TrainerRun:
     def _checkpoint(self, force: bool = False) -> None:
         """Params, optimizer state, step, version and the data position, which includes the
         prompts drawn but not yet trained on (queued, in flight or buffered)."""
-        if not (force or self.checkpointer.should_save(self.step)):
-            return
-        cursor = self.feed.cursor(self._holding)
-        self.hosts.checkpoint(self.step, self.version)  # followers save their shards too
-        self.checkpointer.save(self.step, self.learner.train_state(),
-                               weight_version=self.version, data_cursor=cursor,
-                               config=to_dict(self.cfg),
-                               learner_meta=self.learner.checkpoint_meta(), force=True)
+        if force or self.checkpointer.should_save(self.step):
+            self.policy.save(self.step, self.feed.cursor(self._holding))
+
+    def _save_now(self) -> None:
+        """Checkpoint the current step unless it is saved already, or the state is
+        between an update and its audit record (a checkpoint there would lose the step)."""
+        if self.step > 0 and not self._mid_step and self.checkpointer.latest_step() != self.step:
+            self._checkpoint(force=True)
 
     # -- the run --------------------------------------------------------------------------
 
     def run(self, progress=None) -> dict[str, float]:
-        if not self.hosts.is_leader:
-            return self._follow()
         tcfg = self.cfg.trainer
         summary: dict[str, float] = {}
         try:
             if self.hosts.multi:
-                self._params_for_push()  # the copy that joining samplers are synced from
+                self.policy.params_for_push()  # the copy that joining samplers are synced from
             warm_up = self._start_warm_up()
             self.parts.start()
             self._wait_for_samplers()
@@ -367,7 +367,7 @@ class TrainerRun:
                 self._checkpoint(force=True)
             if tcfg.eval_after:
                 summary.update(self._evaluate("eval_after"))
-            self._export()
+            self.policy.export(self.run_dir / "export")
             self.checkpointer.wait()  # the last checkpoint on disk (or SaveFailed) before "done"
             self.status.state = "done"
             return self._summary(summary)
@@ -393,49 +393,6 @@ class TrainerRun:
             raise
         finally:
             self.close()
-
-    def _longest_row(self) -> int | None:
-        """The most tokens a train row can have: the longest train prompt (the length check
-        measured them all) plus the generation budget; None when not measured."""
-        report = self.data.length_reports.get("train")
-        if report is None or report.longest == 0:
-            return None
-        return report.longest + self.cfg.sampling.max_new_tokens
-
-    def _start_warm_up(self) -> threading.Thread | None:
-        """Compile the train step for the batch shape the first step will most likely have
-        (every prompt's group, the longest prompt plus the full generation budget), in the
-        background while the samplers start and generate, so the first step does not wait
-        for the compiler. Single-process only (followers must make the same calls)."""
-        longest = self._longest_row()
-        if self.hosts.multi or longest is None:
-            return None
-        rows = self.cfg.trainer.prompts_per_step * self.cfg.algorithm.group_size
-        length = batch_length(longest, longest)
-
-        def run():
-            try:
-                self.learner.warm_up(rows, length)
-            except Exception:  # only a head start: the first step compiles what is missing
-                log.exception("train step warm-up failed")
-
-        thread = threading.Thread(target=run, name="warm-up", daemon=True)
-        thread.start()
-        return thread
-
-    def _report(self, metrics, progress, started: float, start_step: int) -> None:
-        set_context(step=self.step, weight_version=self.version)
-        elapsed = time.monotonic() - started
-        self.status.step, self.status.version = self.step, self.version
-        self.status.steps_per_s = (self.step - start_step) / max(elapsed, 1e-9)
-        self.status.tokens_per_s = metrics["throughput/tokens_per_s"]
-        self.status.last_metrics = metrics
-        self.status.data_cursor = self.data.state_dict()
-        self._write_metrics({"step": self.step, "version": self.version, **metrics})
-        if progress is not None:
-            progress(self.step, metrics)
-        if self.step % self.cfg.trainer.log_every == 0:
-            log.info("step", extra={k: round(v, 5) for k, v in metrics.items() if k in LOGGED})
 
     def _stopped(self, summary: dict[str, float]) -> dict[str, float]:
         """A stop the run decided on (a signal, the reward error policy): checkpoint where we
@@ -463,12 +420,6 @@ class TrainerRun:
         except OSError as e:  # a full disk may take this too
             log.error("summary.json could not be written", extra={"error": str(e)})
 
-    def _save_now(self) -> None:
-        """Checkpoint the current step unless it is saved already, or the state is
-        between an update and its audit record (a checkpoint there would lose the step)."""
-        if self.step > 0 and not self._mid_step and self.checkpointer.latest_step() != self.step:
-            self._checkpoint(force=True)
-
     def _summary(self, summary: dict) -> dict:
         """``summary.json``: how the run ended (done, stopped or failed) and why, at which
         step, from which step it resumed, and its evaluations."""
@@ -484,65 +435,10 @@ class TrainerRun:
         tmp.replace(path)
         return summary
 
-    def _export(self) -> None:
-        """The policy as a Hugging Face model in ``export/``; with LoRA also the adapters as a
-        PEFT directory ``export/adapter/`` (for the base checkpoint ``model.path``)."""
-        out = self.run_dir / "export"
-        params = self._host_trained_params()
-        export_hf(self._policy_model(params), out, source_dir=self.cfg.model.path)
-        if self.learner.lora is not None:
-            export_adapter(self.learner.lora, params, out / "adapter",
-                           config=self.learner.config, base_model=self.cfg.model.path)
-
-    def _eval_due(self) -> bool:
-        """``trainer.eval_every``: a periodic evaluation after this step (the last step's is
-        eval_after's when that is on)."""
-        every, tcfg = self.cfg.trainer.eval_every, self.cfg.trainer
-        if not every or self.step % every or self.stop_event.is_set():
-            return False
-        return self.step < tcfg.steps or not tcfg.eval_after
-
-    def _host_trained_params(self):
-        """The trained params now (the adapters with LoRA): the learner's own (one process), or
-        the leader's gathered copy (multi-host; the final step's push gathered them)."""
-        if not self.hosts.multi:
-            return self.learner.params
-        params, version = self.hosts.gathered
-        if version != self.version:
-            params = self._params_for_push()
-        return params
-
-    def _policy_model(self, params):
-        """The current policy as an nnx model on this host (for the export)."""
-        if not self.hosts.multi:
-            return self.learner.model()
-        return host_model(self.learner, params, base_path=self.cfg.model.path)
-
-    def _follow(self) -> dict[str, float]:
-        """A follower's run: the leader's train steps, gathers and checkpoints, on its word."""
-        self.status.state = "training"
-
-        def on_message(message):
-            self.status.version = self.learner.version
-            if message.op == "checkpoint":  # the leader's step, as far as a follower knows it
-                self.status.step = message.step
-                set_context(step=message.step)
-
-        try:
-            ok = follow(self.hosts, self.learner, self.checkpointer, on_message)
-            self.status.state = "done" if ok else "failed"
-            return {}
-        except Exception:
-            self.status.state = "failed"
-            raise
-        finally:
-            self.close()
-
     def close(self) -> None:
-        if self.hosts.is_leader:
-            self._finish_push()
-            self.hosts.stop(failed=self.status.state == "failed")  # release the followers
-            self.parts.close()
-            self.metrics_file.close()
-            self.trackers.close()
-        self.checkpointer.close()
+        self._finish_push()
+        self.hosts.stop(failed=self.status.state == "failed")  # release the followers
+        self.parts.close()
+        self.metrics_file.close()
+        self.trackers.close()
+        self.policy.close()

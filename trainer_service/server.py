@@ -178,6 +178,17 @@ def _export_metrics(step: int, metrics: dict) -> None:
     WAIT_S.set(metrics.get("time/wait_rollouts_s", 0.0))
 
 
+def _progress(run, update):
+    """After each step: the Prometheus gauges, then the console's bar."""
+
+    def progress(step, metrics):
+        VERSION.set(run.version)
+        _export_metrics(step, metrics)
+        update(step, metrics)
+
+    return progress
+
+
 def main(cfg: Config) -> int:
     configure_logging("trainer", cfg.run_name)
     try:
@@ -186,22 +197,26 @@ def main(cfg: Config) -> int:
         maybe_initialize = None
     if maybe_initialize is not None:
         maybe_initialize(cfg)
+    from trainer_service.follower import FollowerRun
     from trainer_service.learning.checkpoints import (
         NoIntactCheckpoint,
         SaveFailed,
         storage_cause,
     )
+    from trainer_service.learning.multihost import HostGroup
     from trainer_service.orchestration.evaluation import accuracy_line
     from trainer_service.orchestration.reward_checks import RewardFunctionFailed
-    from trainer_service.run import TrainerRun
+    from trainer_service.run import LeaderRun
 
+    hosts = HostGroup.current()  # process 0 leads; one process: the leader, alone
+    run: LeaderRun | FollowerRun
     try:
-        run = TrainerRun(cfg)
+        run = LeaderRun(cfg, hosts) if hosts.is_leader else FollowerRun(cfg, hosts)
     except (ValueError, FileNotFoundError, NoIntactCheckpoint) as e:  # cannot be used
         log.critical("trainer cannot start: %s", e)  # on stderr, one JSON line
         return 2
-    leader = run.hosts.is_leader
-    servicer = TrainerServicer(run) if leader else FollowerServicer(run.hosts.index)
+    leader = run if isinstance(run, LeaderRun) else None
+    servicer = TrainerServicer(leader) if leader else FollowerServicer(hosts.index)
     port = cfg.services.trainer_address.rsplit(":", 1)[1]
     server = start_server(
         lambda s: trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, s),
@@ -210,7 +225,7 @@ def main(cfg: Config) -> int:
         auth=cfg.services.auth,
     )
     start_metrics_server(cfg.services.metrics_port)
-    stall_watch = StallWatch(run, server, cfg.services.heartbeat_s) if leader else None
+    stall_watch = StallWatch(leader, server, cfg.services.heartbeat_s) if leader else None
 
     def on_signal(signum, _frame):
         if not leader:  # stopping alone would leave the others waiting in a collective
@@ -221,20 +236,18 @@ def main(cfg: Config) -> int:
         name = signal.Signals(signum).name
         log.warning("signal received; stopping after the current step",
                     extra={"signal": name})
-        run.stop_reason = run.stop_reason or f"{name} received"
-        run.stop_event.set()
+        leader.stop_reason = leader.stop_reason or f"{name} received"
+        leader.stop_event.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    bar, update = _progress_bar(cfg.trainer.steps, run.step) if leader else (None, None)
-
-    def progress(step, metrics):
-        VERSION.set(run.version)
-        _export_metrics(step, metrics)
-        update(step, metrics)
-
+    bar = None
     try:
-        summary = run.run(progress=progress if leader else None)
+        if leader:
+            bar, update = _progress_bar(cfg.trainer.steps, leader.step)
+            summary = leader.run(progress=_progress(leader, update))
+        else:
+            summary = run.run()
     except RewardFunctionFailed:  # logged where it was raised, with the reasons
         return 3
     except SaveFailed:  # logged where it was caught, with the cause and the way out

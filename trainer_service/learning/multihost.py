@@ -7,9 +7,11 @@ collective: every process must make the same call, in the same order, on the sam
 - process 0, the **leader**, does everything that talks to the world: the gRPC server, the
   sampler pool, dispatcher, buffer, publisher, data stream, evaluation, metrics files;
 - every other process, a **follower**, builds the same mesh and ``Learner`` and then only obeys
-  the leader (:func:`follow`), making the collective call that matches each control message::
+  the leader (:func:`follow`), making the collective call that matches each control message.
+  Both sides hold a ``trainer_service.policy.Policy``, whose methods make the leader's calls;
+  the leader's loop is ``run.py``, a follower's ``follower.py``::
 
-    leader (run.py)                                    follower (follow)
+    leader (Policy; run.py stops)                      follower (follow)
     hosts.train(batch)         -- train + shapes -->   batch = hosts.receive_batch(message)
     learner.train_step(batch)                          learner.train_step(batch)
     hosts.params_for_push(...) -- gather ---------->   gather_params(learner.params) (dropped)
