@@ -21,8 +21,9 @@ queued first on resume; the audit trail (``audit.py``) lists every trained promp
 The pieces, one concern each: :class:`~trainer_service.policy.Policy` holds the learner, its
 checkpoints and the host group (every process has one); ``prompt_feed.py`` draws the prompts
 and collects a step's groups; ``orchestration/parts.py`` wires the samplers, the queue and the
-publisher; ``step_metrics.py`` turns a step's rollouts into metrics. This module owns the step
-count, the order of a step, when to push, and how the run ends (``summary.json``).
+publisher; ``RunEvaluation`` (``orchestration/evaluation.py``) runs the greedy evaluations;
+``step_metrics.py`` turns a step's rollouts into metrics. This module owns the step count, the
+order of a step, when to push, and how the run ends (``summary.json``).
 
 Multi-host (several JAX processes, see ``multihost.py``): process 0 runs this loop; every other
 process runs ``follower.py``, making the same collective calls (train step, gather for a push,
@@ -49,19 +50,11 @@ from splitrl.tokenizer import decode, load_tokenizer
 from trainer_service.learning.batching import batch_length, build_train_batch
 from trainer_service.learning.checkpoints import SaveFailed
 from trainer_service.learning.multihost import HostGroup
-from trainer_service.orchestration.evaluation import (
-    accuracy_function,
-    collect_lane,
-    completion_records,
-    eval_items,
-    eval_metrics,
-    write_jsonl,
-)
+from trainer_service.orchestration.evaluation import RunEvaluation, accuracy_function
 from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.parts import build_leader_parts
 from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
-from trainer_service.orchestration.rollouts import EVAL
 from trainer_service.policy import Policy
 from trainer_service.prompt_feed import Collected, PromptFeed
 from trainer_service.resume import check_resume
@@ -129,6 +122,9 @@ class LeaderRun:
         self.feed = PromptFeed(cfg, self.data, self.queue, self.stop_event)
         self.publisher, self.audit = self.parts.publisher, self.parts.audit
         self.accuracy_fn = accuracy_function(cfg)
+        self.evaluation = RunEvaluation(cfg, self.data, self.queue, tokenizer=self.tokenizer,
+                                        run_dir=self.run_dir, accuracy_fn=self.accuracy_fn,
+                                        stop=self.stop_event)
         self.reward_checks = RewardChecks.from_config(cfg.reward)
         self.metrics_file = JsonlAppender(self.run_dir / "metrics.jsonl")
         self.resumed_from: int | None = None
@@ -260,29 +256,16 @@ class LeaderRun:
 
     def _evaluate(self, tag: str) -> dict[str, float]:
         """Greedy pass@1 on the evaluation rows, through the samplers (the eval lane)."""
-        rows = self.data.eval_rows(self.cfg.trainer.data.eval_size)
+        rows = self.evaluation.rows()
         if not rows:
             return {}
         state, self.status.state = self.status.state, "evaluating"
         self._wait_for_samplers()
-        items = eval_items(rows)
-        groups = collect_lane(self.queue, items, EVAL, stop=self.stop_event)
+        result = self.evaluation.evaluate(rows, tag, self.step)
         self.status.state = state
-        result = eval_metrics(groups, self.accuracy_fn, len(items))
-        write_jsonl(self.run_dir / "evaluations" / f"{tag}-step{self.step:06d}.jsonl",
-                    completion_records(groups, self.accuracy_fn, self.tokenizer))
-        result = {f"{tag}/{k.split('/', 1)[1]}": v for k, v in result.items()}
         self._write_metrics({"step": self.step, "version": self.version, **result})
         log.info("evaluation", extra=result)
         return result
-
-    def _eval_due(self) -> bool:
-        """``trainer.eval_every``: a periodic evaluation after this step (the last step's is
-        eval_after's when that is on)."""
-        every, tcfg = self.cfg.trainer.eval_every, self.cfg.trainer
-        if not every or self.step % every or self.stop_event.is_set():
-            return False
-        return self.step < tcfg.steps or not tcfg.eval_after
 
     def _wait_for_samplers(self) -> None:
         wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
@@ -359,7 +342,7 @@ class LeaderRun:
                         break
                     raise
                 self._report(metrics, progress, started, start_step)
-                if self._eval_due():
+                if self.evaluation.due(self.step):
                     self._evaluate("eval")
             if self.stop_event.is_set():
                 return self._stopped(summary)

@@ -74,6 +74,40 @@ def collect_lane(queue, items: list[WorkItem], lane: str, *,
     return groups
 
 
+class RunEvaluation:
+    """A training run's greedy evaluations (``trainer.eval_before``, ``eval_every``,
+    ``eval_after``): pass@1 on the first ``trainer.data.eval_size`` evaluation rows through
+    the samplers (the eval lane); each writes what the model answered to
+    ``run_dir/evaluations/<tag>-step<step>.jsonl`` for auditing the accuracy."""
+
+    def __init__(self, cfg: Config, data, queue, *, tokenizer, run_dir: Path,
+                 accuracy_fn: str | None, stop: threading.Event):
+        self.tcfg = cfg.trainer
+        self.data, self.queue, self.tokenizer = data, queue, tokenizer
+        self.run_dir, self.accuracy_fn, self.stop = run_dir, accuracy_fn, stop
+
+    def rows(self) -> list[dict]:
+        """The rows an evaluation asks about (none: the run has no evaluation split)."""
+        return self.data.eval_rows(self.tcfg.data.eval_size)
+
+    def evaluate(self, rows: list[dict], tag: str, step: int) -> dict[str, float]:
+        """``<tag>/accuracy``, ``<tag>/reward``... of the weights the samplers serve now."""
+        items = eval_items(rows)
+        groups = collect_lane(self.queue, items, EVAL, stop=self.stop)
+        result = eval_metrics(groups, self.accuracy_fn, len(items))
+        write_jsonl(self.run_dir / "evaluations" / f"{tag}-step{step:06d}.jsonl",
+                    completion_records(groups, self.accuracy_fn, self.tokenizer))
+        return {f"{tag}/{k.split('/', 1)[1]}": v for k, v in result.items()}
+
+    def due(self, step: int) -> bool:
+        """``trainer.eval_every``: a periodic evaluation after ``step`` (the last step's is
+        eval_after's when that is on)."""
+        every = self.tcfg.eval_every
+        if not every or step % every or self.stop.is_set():
+            return False
+        return step < self.tcfg.steps or not self.tcfg.eval_after
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of one prompt with ``c`` correct among ``n`` samples (k <= n)."""
     if not 0 < k <= n:
