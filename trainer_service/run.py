@@ -100,7 +100,7 @@ class LeaderRun:
         self.metadata = auth_metadata(cfg.services.auth)
 
         self.policy = Policy(cfg, hosts)
-        self.checkpointer = self.policy.checkpointer
+        self.checkpointer = self.policy.checkpointer  # the policy's; saves go through policy.save
         self.step = 0  # steps run, with or without an update; the weight version is the learner's
         self._push_in_flight: PushInFlight | None = None
         self._pushed_version = 0
