@@ -36,7 +36,7 @@ def strip_thousands(text: str) -> str:
 @functools.cache
 def _math_verify() -> tuple:
     """math-verify and our extraction settings, imported on first use: it pulls in sympy
-    (~1.5 s of CPU), which a reward service whose functions never parse math should not pay
+    (seconds of CPU), which a reward service whose functions never parse math should not pay
     at every start. The worker pool preloads it when ``math_accuracy`` is configured."""
     import math_verify
 
