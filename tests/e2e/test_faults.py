@@ -44,16 +44,39 @@ def run_trainer_again(launcher: Launcher) -> list[dict]:
             if r.get("msg") == "resumed from checkpoint"]
 
 
-def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path):
+def test_a_sampler_killed_a_sampler_joining_and_a_sigterm_resume_lose_no_prompt(arith_model,
+                                                                               tmp_path):
+    """One asynchronous run (max_staleness = 1) with a shared auth token on every service: calls
+    without the token are refused; sampler-0 is killed with SIGKILL, a sampler started mid-run
+    joins and gets work, a sampler with other settings is refused; then the trainer is stopped
+    with SIGTERM (Ctrl-C), finishes its step, checkpoints it, exits 0, and the next start
+    continues from exactly there. Across all of it every prompt of the run is trained exactly
+    once, every step once, no group more than one version stale. (One run for what were two
+    tests, each starting its own services: the sampler faults, and the staleness bound with
+    auth across a SIGTERM and resume.)"""
     run_dir = tmp_path / "run"
-    # The newcomer joins mid-run: the trainer is paused while it starts (see below).
+    # The newcomer joins mid-run: the trainer is paused while it starts (see below); the
+    # SIGTERM follows as soon as it is ready, with most of the 150 steps still to run.
     steps, per_step = 150, 8
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
-                     f"trainer.prompts_per_step={per_step}", "trainer.checkpoint.every=1000",
-                     *FAST)
+                     f"trainer.prompts_per_step={per_step}", "trainer.max_staleness=1",
+                     "trainer.checkpoint.every=1000", "services.auth.token=s3cret", *FAST)
     launcher = Launcher(cfg)
     try:
         launcher.up()
+        # As soon as the trainer answers (a trainer that had finished would answer
+        # UNAVAILABLE instead).
+        wait_for(lambda: status_step(launcher) >= 0, 300, "the trainer to answer", launcher)
+        with make_channel(launcher.trainer_address) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                trainer_pb2_grpc.TrainerStub(channel).RegisterSampler(
+                    trainer_pb2.RegisterSamplerRequest(address="127.0.0.1:1"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with make_channel(launcher.sampler_addresses[0]) as channel:
+            header = sampler_pb2.WeightPushMessage(header=sampler_pb2.PushHeader(version=10**6))
+            with pytest.raises(grpc.RpcError) as err:
+                sampler_pb2_grpc.SamplerStub(channel).PushWeights(iter([header]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         wait_for(lambda: status_step(launcher) >= 4, 300, "step 4", launcher)
         kill_service(launcher, "sampler-0")
         # A sampler started mid-run registers itself, receives the weights, then gets work.
@@ -85,34 +108,51 @@ def test_sampler_killed_and_sampler_joining_lose_no_prompt(arith_model, tmp_path
             return any(s.address == newcomer and s.healthy for s in status.samplers) and status
 
         status = wait_for(newcomer_ready, 300, "the new sampler to be ready", launcher)
+        assert status.step < steps, "the run ended before the new sampler joined"
+        assert not any(s.address == launcher.sampler_addresses[0] and s.healthy
+                       for s in status.samplers), "the killed sampler is still listed healthy"
+        # Ctrl-C / SIGTERM: the trainer finishes its step, checkpoints it and exits 0.
+        launcher.procs["trainer"].send_signal(signal.SIGTERM)
+        assert wait_exit(launcher, "trainer", 120) == 0, tail(launcher.log_dir / "trainer.log")
+        stopped = [r for r in log_records(launcher.log_dir / "trainer.log")
+                   if r.get("msg", "").startswith("stopped")]
+        assert stopped, tail(launcher.log_dir / "trainer.log")
+        stop_step = stopped[-1]["step"]
+        assert stop_step < steps, "the run ended before the SIGTERM"
+        assert (run_dir / "checkpoints" / str(stop_step)).is_dir()
+        launcher.start_trainer()
+        # The stranger registers again and again: the first trainer or the restarted one
+        # refuses it.
         refusal = (f"sampler {stranger} refused: its settings differ from the trainer's (start "
                    "it with the trainer's config and model): sampling.stop_token_ids: "
                    "trainer [], sampler [5]")
         wait_for(lambda: refusal in (launcher.log_dir / "trainer.log").read_text(), 120,
                  "the stranger's refusal", launcher)
-        assert "the trainer refused this sampler" in (
-            launcher.log_dir / "sampler-3.log").read_text()
-        assert status.step < steps, "the run ended before the new sampler joined"
-        assert not any(s.address == launcher.sampler_addresses[0] and s.healthy
-                       for s in status.samplers), "the killed sampler is still listed healthy"
-        code = wait_exit(launcher, "trainer", 600)
-        assert code == 0, tail(launcher.log_dir / "trainer.log")
+        assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
     finally:
         launcher.stop()
+    trainer_log = log_records(launcher.log_dir / "trainer.log")  # both trainers'
+    resumed = [r for r in trainer_log if r.get("msg") == "resumed from checkpoint"]
+    assert "the trainer refused this sampler" in (launcher.log_dir / "sampler-3.log").read_text()
+    assert resumed and resumed[-1]["step"] == stop_step
 
     records = trained_records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), (
+        "every step exactly once across the stop")
     uids = [u for r in records for u in r["uids"]]
     duplicates = [u for u, n in Counter(uids).items() if n > 1]
     assert not duplicates, f"prompts trained twice: {duplicates}"
     assert len(uids) == steps * per_step, "every prompt of the run is trained on exactly once"
     assert sorted(int(u.rsplit("#", 1)[1]) for u in uids) == list(range(steps * per_step))
+    staleness = [r["trainer_version"] - v for r in records for v in r["versions"]]
+    assert max(staleness) <= 1 and min(staleness) >= 0
+    print(f"staleness histogram: {Counter(staleness)}")
 
     by_sampler = Counter(s for r in records for s in r["samplers"])
     assert any(newcomer.endswith(s.rsplit(":", 1)[-1]) or s == newcomer for s in by_sampler), (
         f"the sampler started mid-run got no work: {by_sampler}"
     )
     assert "stranger" not in by_sampler, by_sampler  # refused: never given a prompt
-    trainer_log = log_records(launcher.log_dir / "trainer.log")
     assert any(r.get("msg") == "sampler dropped" for r in trainer_log)
     assert any(r.get("msg") == "sampler synced" and r.get("ok") and
                r.get("served_before") == "the weights of its own model.path" and
@@ -235,52 +275,3 @@ def test_a_resume_after_skipped_steps_is_bitwise_the_uninterrupted_run(arith_mod
         updates += not metrics.get("skipped")
     report = audit_run(run_dir)
     assert report.ok and report.trained + report.filtered == report.drawn - report.unfinished
-
-
-def test_async_staleness_is_bounded_with_auth_across_a_sigterm_and_resume(arith_model, tmp_path):
-    """max_staleness = 1 with a shared auth token on every service: the run uses the token
-    throughout, and calls without it are refused. Ctrl-C / SIGTERM mid-run: the trainer
-    finishes its step, checkpoints it and exits 0; the next start continues from exactly
-    there, and across the stop every step is trained once, no group more than one version
-    stale. (One run for both: each used to start its own services.)"""
-    run_dir = tmp_path / "run"
-    # SIGTERM 3 steps in: 27 steps left over, so the signal lands mid-run however late the
-    # poll sees step 3 (with 12 steps, ~1.5 s of margin, a loaded machine could lose it).
-    steps = 30
-    cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}", "trainer.max_staleness=1",
-                     "trainer.checkpoint.every=1000", "services.auth.token=s3cret", *FAST)
-    launcher = Launcher(cfg)
-    try:
-        launcher.up()
-        # As soon as the trainer answers (not after some step: the 30 steps take a few
-        # seconds, and a trainer that had finished would answer UNAVAILABLE instead).
-        wait_for(lambda: status_step(launcher) >= 0, 300, "the trainer to answer", launcher)
-        with make_channel(launcher.trainer_address) as channel:
-            with pytest.raises(grpc.RpcError) as err:
-                trainer_pb2_grpc.TrainerStub(channel).RegisterSampler(
-                    trainer_pb2.RegisterSamplerRequest(address="127.0.0.1:1"), timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with make_channel(launcher.sampler_addresses[0]) as channel:
-            header = sampler_pb2.WeightPushMessage(header=sampler_pb2.PushHeader(version=10**6))
-            with pytest.raises(grpc.RpcError) as err:
-                sampler_pb2_grpc.SamplerStub(channel).PushWeights(iter([header]), timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        wait_for(lambda: status_step(launcher) >= 3, 300, "step 3", launcher)
-        launcher.procs["trainer"].send_signal(signal.SIGTERM)
-        assert wait_exit(launcher, "trainer", 120) == 0, tail(launcher.log_dir / "trainer.log")
-        stopped = [r for r in log_records(launcher.log_dir / "trainer.log")
-                   if r.get("msg", "").startswith("stopped")]
-        assert stopped, tail(launcher.log_dir / "trainer.log")
-        stop_step = stopped[-1]["step"]
-        assert stop_step < steps, "the run ended before the SIGTERM"
-        assert (run_dir / "checkpoints" / str(stop_step)).is_dir()
-        resumed = run_trainer_again(launcher)
-    finally:
-        launcher.stop()
-    assert resumed and resumed[-1]["step"] == stop_step
-    records = trained_records(run_dir)
-    assert [r["step"] for r in records] == list(range(1, steps + 1)), (
-        "every step exactly once across the stop")
-    staleness = [r["trainer_version"] - v for r in records for v in r["versions"]]
-    assert max(staleness) <= 1 and min(staleness) >= 0
-    print(f"staleness histogram: {Counter(staleness)}")
