@@ -187,7 +187,8 @@ class WorkerPool:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        process = self._ctx.Process(
+        # typeshed types get_context(str) as BaseContext; every concrete context has Process.
+        process = self._ctx.Process(  # type: ignore[attr-defined]
             target=_worker.worker_main, args=(child, self.specs, self.memory_mb),
             name="reward-worker", daemon=True,
         )
@@ -245,7 +246,7 @@ class WorkerPool:
         with self._lock:
             # Drop tasks of cancelled batches, then take a fair share of what is queued.
             size = self._target_chunk()
-            chunk = []
+            chunk: list[_Task] = []
             while self._queue and len(chunk) < size:
                 task = self._queue.popleft()
                 if task.done:

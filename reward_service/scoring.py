@@ -206,7 +206,7 @@ class RewardScorer:
                     for fn in chosen if self.specs[fn].name in self.served}
         pooled = [fn for fn in chosen if fn not in by_model]
         groups = group_items(items)
-        tasks = []
+        tasks: list[tuple[int, list[dict[str, Any]]]] = []
         for members in groups:
             batch = [payloads[i] for i in members]
             tasks.extend((self._pool_index[self.specs[fn].name], batch) for fn in pooled)

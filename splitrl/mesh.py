@@ -130,12 +130,14 @@ def partition_spec(
 
 
 def param_shardings(
-    mesh: Mesh, shapes: Mapping[str, Sequence[int]], strategy: str | None = None
+    mesh: Mesh,
+    shapes: Mapping[str, Sequence[int] | jax.ShapeDtypeStruct | jax.Array | np.ndarray],
+    strategy: str | None = None
 ) -> dict[str, NamedSharding]:
     """``{name: NamedSharding}`` for a flat ``{name: shape-or-array}`` mapping."""
     out = {}
     for name, value in shapes.items():
-        shape = tuple(getattr(value, "shape", value))
+        shape = tuple(value if isinstance(value, Sequence) else value.shape)
         out[name] = NamedSharding(mesh, partition_spec(name, shape, mesh, strategy))
     return out
 

@@ -216,7 +216,8 @@ class LaunchMemory:
 
     @property
     def total(self) -> int:
-        return self.trainer.peak + self.samplers * self.sampler.peak + RUNTIME_BYTES["reward"]
+        return (_peak(self.trainer) + self.samplers * _peak(self.sampler)
+                + RUNTIME_BYTES["reward"])
 
     @property
     def fits(self) -> bool:
@@ -225,10 +226,10 @@ class LaunchMemory:
     def describe(self) -> str:
         t, s = self.trainer.categories, self.sampler.categories
         held = t["parameters"] + t["optimizer state"] + t["gradients"]
-        return (f"about {_gib(self.total)}: the trainer {_gib(self.trainer.peak)} (parameters, "
+        return (f"about {_gib(self.total)}: the trainer {_gib(_peak(self.trainer))} (parameters, "
                 f"optimizer state and gradients {_gib(held)}, micro-batches of "
                 f"{self.micro_batch} rows {_gib(t['temporaries'])}), {self.samplers} sampler(s) "
-                f"{_gib(self.sampler.peak)} each (KV cache {_gib(s['kv cache'])}), of "
+                f"{_gib(_peak(self.sampler))} each (KV cache {_gib(s['kv cache'])}), of "
                 f"{_gib(self.capacity)} ({HEADROOM:.0%} usable)")
 
 
@@ -258,6 +259,12 @@ def plan_launch(cfg: Config, model: ModelShape, devices: dict[str, int], capacit
     fitting = next((launch for launch in map(at, micro_batch_candidates(batch, ways))
                     if launch.fits), None)
     return LaunchPlan(configured, fitting)
+
+
+def _peak(estimate: Measurement) -> int:
+    peak = estimate.peak
+    assert peak is not None, "an estimate is computed, never refused by a compiler"
+    return peak
 
 
 def _gib(n: float) -> str:

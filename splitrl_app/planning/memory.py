@@ -65,7 +65,8 @@ class Measurement:
 
     @property
     def fits(self) -> bool:
-        return self.error is None and self.peak <= self.capacity
+        peak = self.peak
+        return self.error is None and peak is not None and peak <= self.capacity
 
     @property
     def compile_seconds(self) -> float:
@@ -98,7 +99,7 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
     # once per process whether the cache is used, so this holds where the plan compiles first
     # (`splitrl plan`); in a process that compiled with the cache before (a test session) jax
     # warns on such an entry and compiles.
-    cached = jax.config.jax_enable_compilation_cache
+    cached = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # set at runtime
     jax.config.update("jax_enable_compilation_cache", False)
     try:
         compiled = lowered.compile()
@@ -114,6 +115,9 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
         jax.config.update("jax_enable_compilation_cache", cached)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"{name}: the compiler reports no memory analysis of the program "
+                           "(the plan needs one to measure it)")
     return ProgramMemory(
         name=name,
         arguments=int(stats.argument_size_in_bytes),
@@ -179,6 +183,7 @@ def largest_fitting(measure: Callable[[int], Measurement], base: Measurement, st
             break
         while pending and not lo < pending[0] < hi:
             pending.pop(0)
+        rows: float
         if pending:
             rows = pending.pop(0)
         elif hi > limit:

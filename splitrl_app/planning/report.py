@@ -7,12 +7,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from splitrl.config import Config
 from splitrl.models import TransformerConfig
 from splitrl_app.planning.memory import Measurement, format_bytes, largest_fitting
 from splitrl_app.planning.targets import GIB, Target
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 
 @dataclasses.dataclass
@@ -105,6 +108,15 @@ class LayerExtrapolation:
     reference). Shapes, shardings and the searched batch are the full model's.
     """
 
+    # The full model's, copied in __init__.
+    service: str
+    unit: str
+    target: Target
+    mesh: Mesh
+    rows: int
+    step: int
+    limit: int
+
     def __init__(self, make, model_config: TransformerConfig):
         self.full = make(model_config)
         self.layers = model_config.num_layers
@@ -136,6 +148,7 @@ def format_report(r: ServiceReport) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r.mesh.items())
     lines = [f"{r.service}: {r.target.describe()}, mesh {mesh}", f"  {r.shape}"]
     if m.error is None:
+        assert m.peak is not None  # a measurement without error: its categories' sum
         for name, value in m.categories.items():
             lines.append(f"  {name:<22}{format_bytes(value)}")
         lines.append(f"  {'peak per device':<22}{format_bytes(m.peak)} of "
@@ -155,6 +168,7 @@ def format_report(r: ServiceReport) -> str:
         else:
             above = (" (the search's limit: more was not tried)" if r.first_failing is None
                      else f"; {r.first_failing} {r.unit} do not")
+            assert r.largest.peak is not None  # it fits: no error
             lines.append(f"  largest that fits: {r.largest_shape}, peak "
                          f"{r.largest.peak / GIB:.2f} GiB{above}")
     return "\n".join(lines)

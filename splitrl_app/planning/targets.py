@@ -148,7 +148,7 @@ def tpu_target(name: str, hbm_bytes: int | None = None) -> Target:
         devices = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
     except Exception as e:  # libtpu names the problem (unknown generation, bad shape)
         raise PlanError(f"topology {name!r} ({topology}): libtpu refused it: {e}") from e
-    kind = devices[0].device_kind
+    kind = devices[0].device_kind  # type: ignore[attr-defined]  # jax stubs: Device unresolved
     if hbm_bytes is None:
         if kind not in HBM_BYTES:
             raise PlanError(f"topology {name!r}: HBM of {kind!r} is not known here; give it "
