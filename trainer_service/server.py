@@ -191,12 +191,9 @@ def _progress(run, update):
 
 def main(cfg: Config) -> int:
     configure_logging("trainer", cfg.run_name)
-    try:
-        from splitrl.distributed import maybe_initialize
-    except ImportError:  # pragma: no cover - single-process builds
-        maybe_initialize = None
-    if maybe_initialize is not None:
-        maybe_initialize(cfg)
+    from splitrl.distributed import maybe_initialize
+
+    maybe_initialize(cfg)
     from trainer_service.follower import FollowerRun
     from trainer_service.learning.checkpoints import (
         NoIntactCheckpoint,

@@ -261,8 +261,8 @@ def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax
     return (w.astype(jnp.float32) + jnp.float32(scale) * acc).astype(w.dtype)
 
 
-def merge(base: Mapping[str, jax.Array], adapters: Mapping[str, jax.Array], spec: LoraSpec
-          ) -> dict[str, jax.Array]:
+def merge(base: Mapping[str, jax.Array], adapters: Mapping[str, jax.Array | np.ndarray],
+          spec: LoraSpec) -> dict[str, jax.Array]:
     """The full parameters with the adapters merged: every targeted ``M.weight`` becomes
     :func:`merged_weight`, everything else is ``base``'s array itself (no copy). Jitted; the
     merged weights keep their base weight's sharding."""

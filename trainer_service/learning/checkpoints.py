@@ -359,9 +359,12 @@ def _reason(error: BaseException) -> str:
     """Why a checkpoint step does not read, in one line: the innermost cause (orbax wraps the
     storage layer's error, e.g. tensorstore's OUT_OF_RANGE for a truncated file, in its own)."""
     seen: set[int] = set()
-    while id(error) not in seen and (error.__cause__ or error.__context__) is not None:
+    while id(error) not in seen:
+        cause = error.__cause__ or error.__context__
+        if cause is None:
+            break
         seen.add(id(error))
-        error = error.__cause__ or error.__context__
+        error = cause
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 

@@ -461,6 +461,7 @@ class Learner:
         after an adapter push, bitwise)."""
         if self.lora is None:
             return self.params
+        assert self.base_params is not None  # set with lora
         return lora_lib.merge(self.base_params, self.params, self.lora)
 
     def model(self) -> CausalLM:
@@ -551,6 +552,7 @@ def _policy(spec: _ForwardSpec, base: Params | None, params: Params, dropout_key
     with `params` (the adapters) attached to its targeted Linear modules."""
     if spec.lora is None:
         return nnx.merge(spec.graphdef, state_from_hf(spec.config, params))
+    assert base is not None  # the frozen base of a LoRA policy
     model = nnx.merge(spec.graphdef, state_from_hf(spec.config, base))
     return lora_lib.attach(model, spec.lora, params, dropout_key)
 

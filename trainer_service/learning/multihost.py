@@ -61,7 +61,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from trainer_service.learning.learner import TrainBatch
 
@@ -198,6 +198,7 @@ class HostGroup:
 
     def receive_batch(self, message: Message) -> TrainBatch:
         """The batch the leader broadcasts after a ``train`` message."""
+        assert message.batch is not None, "a train message carries the batch's shapes"
         spec = {k: (np.dtype(dtype), tuple(shape)) for k, (dtype, shape) in message.batch.items()}
         zeros = {k: _wire(np.zeros(shape, dtype)) for k, (dtype, shape) in spec.items()}
         arrays = multihost_utils.broadcast_one_to_all(zeros, is_source=False)
@@ -241,7 +242,7 @@ def gather_params(params: Mapping[str, jax.Array],
     most one bucket replicated on each device at a time."""
     out: dict[str, np.ndarray] = {}
     for bucket in _buckets(params, bucket_bytes):
-        replicated = {name: NamedSharding(params[name].sharding.mesh, PartitionSpec())
+        replicated = {name: NamedSharding(_mesh_of(params[name]), PartitionSpec())
                       for name in bucket}
         whole = jax.jit(_identity, out_shardings=replicated)({n: params[n] for n in bucket})
         out.update({name: np.asarray(whole[name].addressable_data(0)) for name in bucket})
@@ -261,11 +262,17 @@ def _buckets(params: Mapping[str, jax.Array], limit: int) -> list[list[str]]:
     return buckets if buckets[-1] else []
 
 
+def _mesh_of(array: jax.Array) -> Mesh | AbstractMesh:
+    sharding = array.sharding
+    assert isinstance(sharding, NamedSharding), "the learner places parameters on its mesh"
+    return sharding.mesh
+
+
 def _identity(tree):
     return tree
 
 
-def host_model(learner, params: Mapping[str, np.ndarray], base_path=None):
+def host_model(learner, params: Mapping[str, np.ndarray | jax.Array], base_path=None):
     """The policy as an nnx model over host params (e.g. the leader's gathered copy, for the
     export), placed on the CPU backend when there is one rather than on one accelerator. With
     LoRA ``params`` are the adapters, merged into the base checkpoint at ``base_path`` (read

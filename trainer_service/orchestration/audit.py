@@ -18,6 +18,7 @@ stays visible.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,8 +39,8 @@ class AuditLog:
         self._file: JsonlAppender | None = None
 
     def record(self, step: int, trainer_version: int, groups: list[RolloutGroup], *,
-               filtered: list[RolloutGroup] = (),
-               dropped: list[tuple[WorkItem, str]] = ()) -> dict[str, Any]:
+               filtered: Sequence[RolloutGroup] = (),
+               dropped: Sequence[tuple[WorkItem, str]] = ()) -> dict[str, Any]:
         record = {
             "step": step,
             "trainer_version": trainer_version,
@@ -62,7 +63,8 @@ class AuditLog:
         self.close()  # the file is replaced below: later records go to the new one
         if not self.path.exists():
             return 0
-        keep, moved = [], []
+        keep: list[dict[str, Any]] = []
+        moved: list[dict[str, Any]] = []
         for record in read_jsonl(self.path):
             (keep if record["step"] <= step else moved).append(record)
         if moved:

@@ -174,6 +174,7 @@ class PromptStream:
                 row, system_prompt=config.system_prompt, chat_template=config.chat_template))
             for name, rows in list(splits.items()):
                 split = config.split if name == "train" else config.eval_split
+                assert split is not None  # "eval" is loaded only when eval_split is set
                 splits[name], reports[name] = fit_split(
                     rows, split=split, limit=max_prompt_tokens,
                     policy=config.long_prompt_policy, count=count, tokenizer=tokenizer)
@@ -226,7 +227,7 @@ class PromptStream:
         """The next `n` rows (fewer, possibly none, once the last epoch is used up)."""
         if n < 0:
             raise ValueError(f"next_batch: n must be >= 0, got {n}")
-        batch = []
+        batch: list[Row] = []
         while len(batch) < n and not self.exhausted:
             row = self.rows[int(self.order(self._epoch)[self._index])]
             served = self._format(row)

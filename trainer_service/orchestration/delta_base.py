@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from splitrl.wire import Bounds
+from splitrl.wire import Bounds, TargetLayout
 
 
 class DeltaBase:
@@ -81,7 +81,7 @@ class DeltaBase:
         return sum(b.nbytes for b in self._blocks.values())
 
 
-def dtype_profile(layouts: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
+def dtype_profile(layouts: Mapping[str, TargetLayout]) -> tuple[tuple[str, str], ...]:
     """The dtypes a sampler serves, per parameter: samplers with equal profiles take the same
     bytes (whatever their mesh), so they share a base."""
     return tuple(sorted((name, layout.dtype or "") for name, layout in layouts.items()))

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from splitrl.agreement import differences
 from splitrl.v1 import sampler_pb2
+
+if TYPE_CHECKING:
+    import jax
 
 
 class RefusedSampler(Exception):
@@ -45,7 +49,8 @@ class ModelIdentity:
     settings: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, architecture: str, params: Mapping[str, np.ndarray],
+    def of(cls, architecture: str,
+           params: Mapping[str, np.ndarray | jax.Array | jax.ShapeDtypeStruct],
            base_fingerprint: str | None = None,
            settings: Mapping[str, str] | None = None) -> ModelIdentity:
         return cls(architecture, {n: tuple(int(d) for d in a.shape) for n, a in params.items()},
@@ -81,13 +86,14 @@ class ModelIdentity:
             problems.append(f"{len(shapes)} shapes differ, e.g. {n}: {list(theirs[n])} "
                             f"instead of {list(self.shapes[n])}")
         if not problems and self.base_fingerprint is not None:
-            theirs = info.base_fingerprint
-            if not theirs:
+            their_base = info.base_fingerprint
+            if not their_base:
                 problems.append("it keeps no base checkpoint for LoRA adapter pushes (start it "
                                 "with the run's config: model.lora set)")
-            elif theirs != self.base_fingerprint:
+            elif their_base != self.base_fingerprint:
                 problems.append(f"its base checkpoint differs from the trainer's (fingerprint "
-                                f"{theirs[:19]}... instead of {self.base_fingerprint[:19]}...): "
+                                f"{their_base[:19]}... instead of "
+                                f"{self.base_fingerprint[:19]}...): "
                                 "the LoRA adapters would apply to other weights; start it "
                                 "from the trainer's model.path")
         return "; ".join(problems) or None

@@ -159,6 +159,7 @@ class SamplerPool:
         info = self._get_info(address)
         reason = self._identity.mismatch(info) if self._identity else None
         if reason:
+            assert self._identity is not None  # the reason is its answer
             self._refuse(address, reason)
             raise RefusedSampler(f"{address} is not a sampler of this run: {reason}",
                                  keys=self._identity.differing_keys(info))
@@ -284,6 +285,7 @@ class SamplerPool:
             else:
                 merged = False
         if merged:
+            assert twin is not None  # merged with it
             self._forget(handle, f"the same sampler process as {twin.address}")
             return
         with self._lock:

@@ -290,13 +290,13 @@ class WeightPublisher:
     def _layouts(self, handle: SamplerHandle, params: Mapping) -> dict:
         """How ``handle`` receives ``params``: its served layout, or whole float32 adapters."""
         if self.lora is not None:
-            return adapter_layouts(handle.info, params)
+            return adapter_layouts(_info(handle), params)
         return self._served_by(handle).layouts
 
     def _served_by(self, handle: SamplerHandle) -> _Served:
         served = self._served.get(handle.address)
         if served is None or served.info is not handle.info:
-            info = handle.info
+            info = _info(handle)
             layouts = layouts_from_info(info)
             profile = dtype_profile(layouts)
             digest = hashlib.sha256(repr(profile).encode()).hexdigest()[:8]
@@ -308,7 +308,7 @@ class WeightPublisher:
         return served
 
     def _bulk(self, handle: SamplerHandle) -> bool:
-        return self.config.transport == "bulk" and bool(handle.info.data_address)
+        return self.config.transport == "bulk" and bool(_info(handle).data_address)
 
     def _plan(self, targets: list[SamplerHandle]) -> list[list[SamplerHandle]]:
         """Groups pushed together: a relay chain per layout of healthy bulk samplers; everyone
@@ -387,19 +387,19 @@ class WeightPublisher:
         deadline = start + self.timeout_s
         layouts = self._layouts(chain[0], params)
         push_id = self._push_id(chain[0], version)
-        base, use_delta = None, False
+        base, use_delta, base_id = None, False, ""
         if self.config.delta and self.lora is None:
             base = self._bases.setdefault(self._served_by(chain[0]).profile, DeltaBase())
             if not base.claim():
                 base = None  # another chain of this profile is reading it: go full
-            else:
-                use_delta = (not reset and base.push_id is not None
-                             and all(h.weights_id == base.push_id for h in chain))
+            elif (not reset and base.push_id is not None
+                  and all(h.weights_id == base.push_id for h in chain)):
+                use_delta, base_id = True, base.push_id
         try:
             try:
                 header = push_header(params, version, target_shardings=layouts,
                                      sender="trainer", reset=reset, push_id=push_id,
-                                     base_id=base.push_id if use_delta else "")
+                                     base_id=base_id)
                 if self.lora is not None:
                     header.lora.CopyFrom(self.lora)
             except ValueError as e:  # layouts do not match: a different model
@@ -408,8 +408,9 @@ class WeightPublisher:
                                        code=grpc.StatusCode.INVALID_ARGUMENT), False)
                         for h in chain]
             frames = iter_push_frames(
-                params, version, max_chunk_bytes=min(h.info.max_chunk_bytes for h in chain),
-                target_shardings=layouts, base=base.block if use_delta else None,
+                params, version, max_chunk_bytes=min(_info(h).max_chunk_bytes for h in chain),
+                target_shardings=layouts,
+                base=base.block if use_delta and base is not None else None,
                 sink=base.keep if base is not None else None)
             link = PushLink([_data_address(h) for h in chain], header, auth=self.auth,
                             idle_timeout_s=self.config.idle_timeout_s)
@@ -437,7 +438,7 @@ class WeightPublisher:
         layouts = self._layouts(handle, params)
         try:
             messages = iter_push_messages(
-                params, version, max_chunk_bytes=handle.info.max_chunk_bytes,
+                params, version, max_chunk_bytes=_info(handle).max_chunk_bytes,
                 target_shardings=layouts, sender="trainer",
                 push_id=self._push_id(handle, version))
             first = next(messages)  # the header: checks the layouts
@@ -466,5 +467,11 @@ def _data_address(handle: SamplerHandle) -> str:
     from DNS, a compose service name) and the port it advertises; its own idea of its host
     name may not resolve from here."""
     host = handle.address.rpartition(":")[0]
-    port = handle.info.data_address.rpartition(":")[2]
+    port = _info(handle).data_address.rpartition(":")[2]
     return f"{host}:{port}"
+
+
+def _info(handle: SamplerHandle) -> sampler_pb2.SamplerInfo:
+    """What ``handle`` said of itself (GetInfo): the publisher pushes only to samplers that did."""
+    assert handle.info is not None, f"{handle.address} has not described itself yet"
+    return handle.info
