@@ -106,7 +106,7 @@ class Programs:
         h, backend = model.forward_with(tokens, positions, backend)
         return backend.kv, h
 
-    def _admit(self, leaves, cache, kv, hidden, prompt_start, prompt_length, row_slot,
+    def _admit(self, leaves, cache, pages, kv, hidden, prompt_start, prompt_length, row_slot,
                params: RowParams, *, plan: sampling.SamplePlan,
                sharding: NamedSharding | None, layout: CacheLayout):
         """Writes each prompt i (``prompt_length`` [P] tokens from flat packed position
@@ -114,7 +114,8 @@ class Programs:
         cache rows ``row_slot[i]`` [P, J] in every layer (a slot past the cache's rows marks a
         padding entry: dropped), and draws each row's first token from the hidden state after
         its prompt. ``params`` are the rows' in ``row_slot``'s order (prompt-major, [P * J]).
-        Returns (cache, tokens, logprobs, stopped), per row.
+        Returns (cache, tokens, logprobs, stopped), per row. ``pages``: the rows' page tables
+        [R, n] of a paged cache (`paged_cache.PagedLayout`), else None.
 
         Only the prompts' slots are gathered (once per prompt) and written, in place in the
         donated cache, one layer and completion index at a time: the program holds the
@@ -122,7 +123,7 @@ class Programs:
         cache nor one per row. A row's slots past its prompt keep whatever they held (stale
         and finite, masked until decode writes them)."""
         model = self.model(leaves)
-        width = cache[0].shape[layout.slot_axes[0]]
+        width = layout.width(cache, pages)
         b, w = hidden.shape[:2]
         t = jnp.arange(min(w, width))
         # Prompt i's slot t reads packed position start + t; slots past its prompt are dropped.
@@ -137,7 +138,7 @@ class Programs:
             layer, j = i // per, i % per
             cache = layout.write(cache, layer, row_slot[:, j], slot,
                                  *(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
-                                   for x in (k, v)))
+                                   for x in (k, v)), pages)
             if sharding is not None:
                 cache = tuple(jax.lax.with_sharding_constraint(x, sharding) for x in cache)
             return cache
@@ -149,11 +150,11 @@ class Programs:
                                  jnp.zeros(logits.shape[:1], jnp.int32), plan)
         return cache, tokens, logprobs, _is_stop(tokens, params.stop_ids)
 
-    def _decode(self, leaves, cache, last_token, length, generated, live, params: RowParams,
-                steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
-                sharding: NamedSharding | None, layout: CacheLayout):
-        return _decode_loop(self.model(leaves), cache, last_token, length, generated, live,
-                            params, steps_limit, refill_at, plan=plan, steps=steps,
+    def _decode(self, leaves, cache, pages, last_token, length, generated, live,
+                params: RowParams, steps_limit, refill_at, *, plan: sampling.SamplePlan,
+                steps: int, sharding: NamedSharding | None, layout: CacheLayout):
+        return _decode_loop(self.model(leaves), cache, pages, last_token, length, generated,
+                            live, params, steps_limit, refill_at, plan=plan, steps=steps,
                             sharding=sharding, layout=layout)
 
 
@@ -162,7 +163,7 @@ def programs_for(graphdef, treedef) -> Programs:
     return Programs(graphdef, treedef)
 
 
-def _decode_loop(model, cache, last_token, length, generated, live, params: RowParams,
+def _decode_loop(model, cache, pages, last_token, length, generated, live, params: RowParams,
                  steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
                  sharding: NamedSharding | None, layout: CacheLayout):
     """Up to ``min(steps, steps_limit)`` decode steps over every cache row.
@@ -170,8 +171,9 @@ def _decode_loop(model, cache, last_token, length, generated, live, params: RowP
     Row r feeds ``last_token[r]`` at position/slot ``length[r]`` (its tokens so far) and, if
     ``live[r]``, draws its token number ``generated[r]``. A live row stops on a stop id or at
     ``params.max_new`` tokens. The loop ends early when no row is live or ``refill_at`` rows
-    finished. Returns (cache, tokens [R, steps] (-1 where a row drew nothing), logprobs
-    [R, steps], produced [R] tokens drawn, stopped [R] ended on a stop id).
+    finished. ``pages``: the rows' page tables of a paged cache, else None. Returns (cache,
+    tokens [R, steps] (-1 where a row drew nothing), logprobs [R, steps], produced [R] tokens
+    drawn, stopped [R] ended on a stop id).
     """
     rows = last_token.shape[0]
     keys = _row_keys(params)
@@ -183,7 +185,7 @@ def _decode_loop(model, cache, last_token, length, generated, live, params: RowP
     def body(carry):
         i, cache, last, length, generated, live, out_tok, out_lp, produced, stopped, finished = (
             carry)
-        backend = SlotDecodeAttention(cache, length, layout, sharding)
+        backend = SlotDecodeAttention(cache, length, layout, sharding, pages)
         h, backend = model.forward_with(last[:, None], length[:, None], backend)
         tok, lp = _draw(model.logits(h[:, 0]), params, keys, generated, plan)
         out_tok = jax.lax.dynamic_update_slice(out_tok, jnp.where(live, tok, -1)[:, None], (0, i))

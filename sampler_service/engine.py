@@ -10,7 +10,8 @@
 
 One thread owns the device work of a batch (`scheduler.Scheduler`): requests from every
 caller (all Rollout and Generate calls) share a batch of up to ``max_batch_size`` decode rows
-whose KV cache (`kv_cache.SlotCache`) never exceeds ``kv_cache_bytes``. Between decode
+whose KV cache (`kv_cache.SlotCache`; on TPU a page pool, `paged_cache.PagedCache`) never
+exceeds ``kv_cache_bytes`` (or ``kv_pages`` pages). Between decode
 segments of ``segment_steps`` steps, finished rows are retired and their slots refilled from
 waiting prompts (``batching="continuous"``; ``"static"`` drains the batch first, for
 comparison). A prompt's n completions share its prefill; the prompts admitted at a boundary
@@ -54,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from sampler_service import metrics
 from sampler_service.kv_cache import SlotCache, layout_for
+from sampler_service.paged_cache import PagedCache, PagedLayout, page_bytes, pages_for
 from sampler_service.requests import (
     EngineClosed,
     GeneratedSequence,
@@ -98,7 +100,8 @@ class GenerationEngine:
                  update_in_flight: bool = False,
                  weights: Callable[[], tuple[int, nnx.State]] | None = None,
                  dtype=jnp.float32, concurrent_batches: int = 1,
-                 decode_attention: str = "auto", kv_page_size: int = 64):
+                 decode_attention: str = "auto", kv_page_size: int = 64, kv_pages: int = 0,
+                 kv_pages_per_sequence: int | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
         if max_sequence_length < 2:
@@ -120,23 +123,15 @@ class GenerationEngine:
         self.batching = batching
         # the cache's layout: the paged one (Pallas kernel) on TPU unless told otherwise
         layout = layout_for(mesh, decode_attention, kv_page_size, model_config.head_dim)
-        probe = SlotCache(model_config, dtype, mesh, budget_bytes=0, max_rows=max_batch_size,
-                          max_width=self.max_sequence_length, layout=layout)
-        full = probe.shape_bytes(probe.bound_for(max_batch_size, self.max_sequence_length))
-        budget = int(kv_cache_bytes) or full + full // probe.num_arrays
-        self.caches = [SlotCache(model_config, dtype, mesh, budget_bytes=budget,
-                                 max_rows=max_batch_size, max_width=self.max_sequence_length,
-                                 layout=layout)
-                       for _ in range(concurrent_batches)]
+        if isinstance(layout, PagedLayout):
+            self.caches = [self._page_pool(model_config, dtype, layout, max_batch_size,
+                                           kv_cache_bytes, kv_pages, kv_pages_per_sequence)
+                           for _ in range(concurrent_batches)]
+        else:
+            self.caches = [self._slot_cache(model_config, dtype, layout, max_batch_size,
+                                            kv_cache_bytes) for _ in range(concurrent_batches)]
         self.cache = self.caches[0]
         self.max_batch_size = self.cache.guaranteed_rows()
-        if self.max_batch_size < 1:
-            need = probe.bound_for(1, self.max_sequence_length).width * probe.bytes_per_token
-            raise ValueError(
-                f"kv_cache_bytes {budget} holds no sequence of max_sequence_length "
-                f"{self.max_sequence_length} (one needs {need + need // probe.num_arrays} "
-                f"bytes: {probe.bytes_per_token} per token, plus its keys or its values, held "
-                "twice while the cache is resized)")
         self._lock = threading.Lock()
         self._stats: dict = dict.fromkeys(_COUNTERS, 0)
         self._stats.update(generate_seconds=0.0, prefill_seconds=0.0, decode_seconds=0.0,
@@ -156,6 +151,47 @@ class GenerationEngine:
         self._wakes = [threading.Condition(s.queue_lock) for s in self.schedulers]
         self._threads: list[threading.Thread | None] = [None] * concurrent_batches
         self._closed = False
+
+    def _slot_cache(self, config, dtype, layout, rows: int, kv_cache_bytes: int) -> SlotCache:
+        """One batch's slot cache under ``kv_cache_bytes`` (0: what ``rows`` sequences of
+        max_sequence_length need, resizes included)."""
+        probe = SlotCache(config, dtype, self.mesh, budget_bytes=0, max_rows=rows,
+                          max_width=self.max_sequence_length, layout=layout)
+        full = probe.shape_bytes(probe.bound_for(rows, self.max_sequence_length))
+        budget = int(kv_cache_bytes) or full + full // probe.num_arrays
+        cache = SlotCache(config, dtype, self.mesh, budget_bytes=budget, max_rows=rows,
+                          max_width=self.max_sequence_length, layout=layout)
+        if cache.guaranteed_rows() < 1:
+            need = probe.bound_for(1, self.max_sequence_length).width * probe.bytes_per_token
+            raise ValueError(
+                f"kv_cache_bytes {budget} holds no sequence of max_sequence_length "
+                f"{self.max_sequence_length} (one needs {need + need // probe.num_arrays} "
+                f"bytes: {probe.bytes_per_token} per token, plus its keys or its values, held "
+                "twice while the cache is resized)")
+        return cache
+
+    def _page_pool(self, config, dtype, layout, rows: int, kv_cache_bytes: int, pages: int,
+                   pages_per_sequence: int | None) -> PagedCache:
+        """One batch's page pool: ``pages`` pages, else as many as ``kv_cache_bytes`` holds
+        (the scratch page included), else enough for ``rows`` sequences of
+        max_sequence_length; ``pages_per_sequence`` (None: what max_sequence_length needs)
+        bounds a row's pages."""
+        longest = pages_for(self.max_sequence_length, layout.page_size)
+        per_sequence = longest if pages_per_sequence is None else int(pages_per_sequence)
+        one_page = page_bytes(config, dtype, layout.page_size)
+        if pages and kv_cache_bytes:
+            raise ValueError("kv_pages and kv_cache_bytes both size the page pool: set one")
+        pages = int(pages) or (int(kv_cache_bytes) // one_page - 1 if kv_cache_bytes
+                               else rows * longest)
+        if pages < longest:
+            raise ValueError(
+                f"the KV page pool's {max(pages, 0)} pages of {layout.page_size} tokens "
+                f"({'kv_pages' if not kv_cache_bytes else f'kv_cache_bytes {kv_cache_bytes}'})"
+                f" hold no sequence of max_sequence_length {self.max_sequence_length}: one "
+                f"needs {longest} pages of {one_page} bytes, plus one scratch page")
+        return PagedCache(config, dtype, self.mesh, layout=layout, pages=pages,
+                          pages_per_sequence=per_sequence, max_rows=rows,
+                          max_width=self.max_sequence_length)
 
     @property
     def kv_cache_budget_bytes(self) -> int:
@@ -377,11 +413,13 @@ def engine_from_config(config: Config, model_config: TransformerConfig, graphdef
                        eos_token_ids: Sequence[int], pad_token_id: int | None,
                        weights: Callable[[], tuple[int, nnx.State]] | None = None,
                        max_batch_size: int | None = None,
-                       kv_cache_bytes: int | None = None) -> GenerationEngine:
+                       kv_cache_bytes: int | None = None,
+                       kv_pages: int | None = None) -> GenerationEngine:
     """The engine as ``sampler.*`` configures it: the one a sampler serves with
     (`sampler_service.server.serve`) and the one `splitrl plan` compiles, built in one place so
-    that the plan measures the programs the sampler runs. ``max_batch_size`` and
-    ``kv_cache_bytes`` replace the configured ones (the planner's searched sizes)."""
+    that the plan measures the programs the sampler runs. ``max_batch_size``,
+    ``kv_cache_bytes`` and ``kv_pages`` replace the configured ones (the planner's searched
+    sizes)."""
     sampler = config.sampler
     return GenerationEngine(
         model_config, graphdef, mesh=mesh,
@@ -392,6 +430,8 @@ def engine_from_config(config: Config, model_config: TransformerConfig, graphdef
         batching=sampler.batching, segment_steps=sampler.segment_steps,
         prefill_chunk_tokens=sampler.prefill_chunk_tokens,
         decode_attention=sampler.decode_attention, kv_page_size=sampler.kv_page_size,
+        kv_pages=sampler.kv_pages if kv_pages is None else kv_pages,
+        kv_pages_per_sequence=sampler.kv_pages_per_sequence,
         update_in_flight=sampler.update_in_flight, weights=weights,
         dtype=serving_dtype(config),
         concurrent_batches=concurrent_batches_for(sampler.concurrent_batches, mesh))

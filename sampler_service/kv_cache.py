@@ -7,9 +7,9 @@ dynamic index); R rows (one per sequence in flight), S slots. On CPU, keys ``[L,
 ``[L, R, K, S, Dh]``; on TPU and GPU both ``[L, R, S, K, Dh]``, the layout the TPU compiler
 gives a slot write and the decode matmuls (with any other, it keeps the whole cache in its own
 layout beside the argument for the program's length: a second copy of the cache). With
-``sampler.decode_attention`` "paged" (the default on TPU) the layout is
-`paged_cache.PagedLayout` instead: ``[L, K, R, S, Dh]``, each layer a page pool the Pallas
-`paged_attention` kernel reads.
+``sampler.decode_attention`` "paged" (the default on TPU) the cache is
+`paged_cache.PagedCache` instead: a page pool shared by the rows, which the Pallas
+`paged_attention` kernel reads through page tables.
 Row r holds its sequence at slots ``[0, length_r)``: the prompt, then each generated token as
 it is fed back. Slots at or past a row's length hold stale (finite) values and are masked.
 
@@ -91,19 +91,20 @@ class CacheLayout:
 
     row_axis = 1
 
-    def width_cap(self, max_width: int) -> int:
-        """The widest cache for sequences of up to ``max_width`` tokens."""
-        return max_width
+    def width(self, cache: tuple, pages=None) -> int:
+        """Slots per row of ``cache`` (``pages``: the paged layout's; unused here)."""
+        return cache[0].shape[self.slot_axes[0]]
 
     @property
     def head_axis(self) -> int:
         return 3 if self.slot_major else 2
 
-    def write(self, cache: tuple, layer, rows, slots, k, v) -> tuple:
+    def write(self, cache: tuple, layer, rows, slots, k, v, pages=None) -> tuple:
         """Keys/values ``k, v`` [N, P, K, Dh] at slots ``slots`` [N, P] of rows ``rows`` [N]
         in layer ``layer`` (in place when ``cache`` is donated; an index past the cache:
-        dropped). One layer at a time: with the layer axis in the written window, the TPU
-        compiler lays the whole cache out again for the scatter (a second copy of it)."""
+        dropped; ``pages``: the paged layout's, unused here). One layer at a time: with the
+        layer axis in the written window, the TPU compiler lays the whole cache out again for
+        the scatter (a second copy of it)."""
         k_cache, v_cache = cache
         rows = rows[:, None]
         if self.slot_major:
@@ -112,7 +113,7 @@ class CacheLayout:
         return (k_cache.at[layer, rows, :, :, slots].set(k.astype(k_cache.dtype), mode="drop"),
                 v_cache.at[layer, rows, :, slots, :].set(v.astype(v_cache.dtype), mode="drop"))
 
-    def attend(self, q, cache: tuple, layer, length):
+    def attend(self, q, cache: tuple, layer, length, pages=None):
         """Decode attention of q [R, H, Dh] over layer ``layer`` of each row's slots
         ``< length[r]``."""
         k_cache, v_cache = cache
@@ -126,8 +127,9 @@ DECODE_ATTENTION = ("auto", "xla", "paged")
 def layout_for(mesh: Mesh, decode_attention: str = "auto", page_size: int = 64,
                head_dim: int = 128):
     """The cache layout ``sampler.decode_attention`` asks for on ``mesh``: "auto" the paged
-    layout (the Pallas kernel) on TPU when the kernel takes the model's ``head_dim`` (a
-    multiple of 128: its TPU lowering tiles the head dimension by 128), else
+    layout (a `paged_cache.PagedCache`, the Pallas kernel) on TPU when the kernel takes the
+    model's ``head_dim`` (a multiple of 128: its TPU lowering tiles the head dimension by 128),
+    else
     `CacheLayout.for_mesh`; "xla" always `CacheLayout.for_mesh` (XLA ops); "paged" always the
     paged layout (off TPU its attention runs in XLA ops: for checking the layout)."""
     from sampler_service.paged_cache import PagedLayout
@@ -149,6 +151,8 @@ def layout_for(mesh: Mesh, decode_attention: str = "auto", page_size: int = 64,
 class SlotCache:
     """The cache arrays of the engine's batch, their shape and their memory accounting."""
 
+    paged = False  # rows own their slots (`paged_cache.PagedCache`: pages from a pool)
+
     def __init__(self, config: TransformerConfig, dtype, mesh: Mesh, *, budget_bytes: int,
                  max_rows: int, max_width: int, layout=None):
         self.config = config
@@ -156,9 +160,8 @@ class SlotCache:
         self.mesh = mesh
         self.budget_bytes = int(budget_bytes)
         self.max_rows = int(max_rows)
-        # `CacheLayout`, or `paged_cache.PagedLayout` (same methods): see `layout_for`
         self.layout = CacheLayout.for_mesh(mesh) if layout is None else layout
-        self.max_width = self.layout.width_cap(int(max_width))
+        self.max_width = int(max_width)
         self.num_arrays = 2  # keys, values (each stacked over the layers)
         # keys + values of one token over all layers
         self.bytes_per_token = (self.num_arrays * config.num_layers * config.num_kv_heads
@@ -185,6 +188,11 @@ class SlotCache:
             return False
         total = self.shape_bytes(self.bound_for(rows, width))
         return total + total // self.num_arrays <= self.budget_bytes
+
+    def admits(self, widths: list[int]) -> bool:
+        """Whether rows of final widths ``widths`` (those in the batch and the candidates) fit
+        the rows and the budget."""
+        return len(widths) <= self.max_rows and self.fits(len(widths), max(widths))
 
     def guaranteed_rows(self) -> int:
         """How many sequences of the maximum length always fit (0 if not even one)."""
@@ -296,11 +304,13 @@ class SlotDecodeAttention:
     layout: CacheLayout = dataclasses.field(default=CacheLayout(False),
                                             metadata=dict(static=True))
     sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
+    pages: jax.Array | None = None  # [R, n] int32 page tables (`paged_cache.PagedLayout`)
 
     def attend(self, layer, q, k, v):
         rows = jnp.arange(self.write.shape[0])
-        cache = self.layout.write(self.cache, layer, rows, self.write[:, None], k, v)
+        cache = self.layout.write(self.cache, layer, rows, self.write[:, None], k, v,
+                                  self.pages)
         if self.sharding is not None:
             cache = tuple(jax.lax.with_sharding_constraint(x, self.sharding) for x in cache)
-        out = self.layout.attend(q[:, 0], cache, layer, self.write + 1)
+        out = self.layout.attend(q[:, 0], cache, layer, self.write + 1, self.pages)
         return out[:, None], dataclasses.replace(self, cache=cache)

@@ -7,9 +7,11 @@ The engine's thread calls `Scheduler.step()` in a loop. One step is one *segment
 2. **Weights**: with ``update_in_flight`` a newer version is swapped in now (each live row
    records it); otherwise the batch keeps its weights and stops admitting until it drains.
 3. **Admit** waiting prompts, strictly first come first served, while their n rows fit the
-   decode rows (``max_rows``) and the KV-cache budget. A prompt's n rows are admitted together
-   (one prefill). ``static`` batching admits only into an empty batch.
-4. **Lay out** the cache for the rows and the next segment (`SlotCache.resize`), prefill the
+   decode rows (``max_rows``) and the KV-cache budget (a paged cache: the pages of their
+   final lengths, `PagedCache.admits`). A prompt's n rows are admitted together (one
+   prefill). ``static`` batching admits only into an empty batch.
+4. **Lay out** the cache for the rows and the next segment (`SlotCache.resize`; a paged
+   cache gives each row the pages the segment writes, `PagedCache.grow`), prefill the
    admitted prompts in **chunks** of at most ``prefill_chunk_tokens`` packed tokens (each
    chunk's keys/values written into the cache and its rows' first tokens drawn before the next
    chunk is prefilled, so prefill's memory is bounded whatever the batch; a prompt is never
@@ -73,6 +75,7 @@ class _Row:
     logprobs: list = dataclasses.field(default_factory=list)
     versions: list = dataclasses.field(default_factory=list)
     reason: str = ""  # "stop" | "length" once done
+    pages: list = dataclasses.field(default_factory=list)  # a paged cache's, in token order
 
     @property
     def done(self) -> bool:
@@ -184,11 +187,11 @@ class Scheduler:
         for slot, row in list(self.rows.items()):
             request = row.group.request
             if request.cancelled:
-                del self.rows[slot]
+                self._drop(slot)
                 continue
             if not row.done:
                 continue
-            del self.rows[slot]
+            self._drop(slot)
             group = row.group
             group.open_rows -= 1
             if group.open_rows == 0:
@@ -211,6 +214,11 @@ class Scheduler:
                 self.session = None
         if not self.rows and self.session is None:
             self.weights = None  # an exclusive request keeps its weights to its end
+
+    def _drop(self, slot: int) -> None:
+        row = self.rows.pop(slot)
+        if self.cache.paged:
+            self.cache.free(row.pages)
 
     # ------------------------------------------------------------------ 2. weights
 
@@ -261,12 +269,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ 3. admit
 
-    def _fits(self, extra_rows: int, widths: list[int]) -> bool:
+    def _fits(self, extra_rows: int, width: int) -> bool:
         """Whether ``extra_rows`` more rows (the batch holds the ones admitted so far) of final
-        widths up to max(widths) fit the rows and the budget."""
-        rows = len(self.rows) + extra_rows
-        width = max([r.final_width for r in self.rows.values()] + widths)
-        return rows <= self.cache.max_rows and self.cache.fits(rows, width)
+        width ``width`` fit the rows and the cache."""
+        return self.cache.admits([r.final_width for r in self.rows.values()]
+                                 + [width] * extra_rows)
 
     def _admit(self) -> list[_Group]:
         if self.static and self.rows:
@@ -274,7 +281,6 @@ class Scheduler:
         admitted: list[_Group] = []
         with self.queue_lock:
             waiting = list(self.queue)
-        widths: list[int] = []
         for request in waiting:
             if request.cancelled:
                 continue
@@ -290,10 +296,9 @@ class Scheduler:
                 break
             width = max(len(p) for p in request.prompts) + request.options.max_new_tokens
             while request.next_prompt < len(request.prompts):
-                if not self._fits(request.n, widths + [width]):
+                if not self._fits(request.n, width):
                     break
                 admitted.append(self._new_group(request, weights))
-                widths.append(width)
                 request.next_prompt += 1
             if request.next_prompt < len(request.prompts):
                 break
@@ -323,11 +328,16 @@ class Scheduler:
     # ------------------------------------------------------------------ 4. layout
 
     def _layout(self, new_rows: list[_Row]) -> None:
-        """Cache shape for the rows and the next segment; compacts rows when that shrinks it."""
+        """Cache shape for the rows and the next segment; compacts rows when that shrinks it.
+        A paged cache gives each row the pages it fills by the segment's end instead of
+        copying: a compaction or a new shape only re-indexes the page tables."""
         count = len(self.rows)
         rows_b = bucket_rows(count, self.cache.max_rows)
-        need = max(self._segment_need(row) for row in self.rows.values())
-        shape = CacheShape(rows_b, bucket_width(need, self.cache.max_width))
+        needs = {slot: self._segment_need(row) for slot, row in self.rows.items()}
+        shape = CacheShape(rows_b, bucket_width(max(needs.values()), self.cache.max_width))
+        if self.cache.paged:
+            for slot, row in self.rows.items():
+                self.cache.grow(row.pages, needs[slot])
         fresh = {id(r) for r in new_rows}
         old = sorted((row.slot, row) for row in self.rows.values() if id(row) not in fresh)
         sources = None
@@ -403,7 +413,7 @@ class Scheduler:
         programs = self.weights.programs
         kv, hidden = programs.prefill(self.weights.leaves, *prefill_args)
         self.cache.arrays, tok, lp, stopped = programs.admit(
-            self.weights.leaves, self.cache.arrays, kv, hidden, *admit_args,
+            self.weights.leaves, self.cache.arrays, self._page_table(), kv, hidden, *admit_args,
             plan=plan, sharding=self.cache.sharding(self.cache.shape.rows),
             layout=self.cache.layout)
         params = admit_args[-1]
@@ -482,7 +492,7 @@ class Scheduler:
         live, params = args[3], args[4]
         start = time.perf_counter()
         self.cache.arrays, out_tok, out_lp, produced, stopped = self.weights.programs.decode(
-            self.weights.leaves, self.cache.arrays, *args, plan=plan,
+            self.weights.leaves, self.cache.arrays, self._page_table(), *args, plan=plan,
             steps=self.segment_steps, sharding=self.cache.sharding(shape.rows),
             layout=self.cache.layout)
         out_tok, out_lp, produced, stopped = jax.device_get((out_tok, out_lp, produced, stopped))
@@ -510,6 +520,14 @@ class Scheduler:
                                           if steps else 0.0)
             st["last_tokens_per_second"] = float(produced.sum()) / seconds if seconds else 0.0
             self._programs_seen(("decode", shape, plan, params.stop_ids.shape))
+
+    def _page_table(self):
+        """A paged cache's page tables of the cache's rows (`PagedCache.page_table`), else
+        None."""
+        if not self.cache.paged:
+            return None
+        return self.cache.page_table([self.rows[s].pages if s in self.rows else None
+                                      for s in range(self.cache.shape.rows)])
 
     def _decode_inputs(self):
         """(the row in each cache slot or None, decode's host arguments after the cache, the
@@ -559,15 +577,16 @@ class Scheduler:
             *_, prefill_args, admit_args, plan = self._prefill_inputs(self._chunks(admitted)[0])
             host = _replicated(self.cache.mesh)
             programs, leaves = weights.programs, weights.leaves
+            pages = host(self._page_table())  # shaped as they run; no page is taken
             prefill = programs.prefill.lower(leaves, *host(prefill_args))
             kv, hidden = prefill.out_info
-            admit = programs.admit.lower(leaves, self.cache.arrays, kv, hidden,
+            admit = programs.admit.lower(leaves, self.cache.arrays, pages, kv, hidden,
                                          *host(admit_args), plan=plan, sharding=sharding,
                                          layout=self.cache.layout)
             for row in rows:  # as `_prefill_and_admit` leaves them: prompt in, a first token
                 row.length, row.tokens = row.prompt_len, [0]
             _, decode_args, plan = self._decode_inputs()
-            decode = programs.decode.lower(leaves, self.cache.arrays, *host(decode_args),
+            decode = programs.decode.lower(leaves, self.cache.arrays, pages, *host(decode_args),
                                            plan=plan, steps=self.segment_steps,
                                            sharding=sharding, layout=self.cache.layout)
             return {"prefill": prefill, "admit": admit, "decode": decode}, self.cache.arrays

@@ -721,9 +721,16 @@ class SamplerConfig(Section):
     over the slot cache everywhere; "paged" the paged layout everywhere (off TPU its attention
     runs in XLA ops: for checking the layout)."""
     kv_page_size: PositiveInt = 64
-    """Tokens per page of the paged KV cache, at most (a multiple of 16): a cache S slots wide
-    uses the largest page of at most this that divides S, so a sequence has S / page pages
-    (docs/attention.md)."""
+    """Tokens per page of the paged KV cache (a multiple of 16, so a bfloat16 page fills whole
+    TPU tiles; docs/attention.md)."""
+    kv_pages: NonNegativeInt = 0
+    """Pages in each batch's page pool (the paged KV cache, by default on TPU): its memory,
+    whatever the rows; a prompt whose rows' pages (prompt + max_new_tokens each) are not free
+    waits. 0 = what kv_cache_bytes holds, or enough for max_batch_size sequences of
+    max_sequence_length. Unused by the slot cache (CPU by default)."""
+    kv_pages_per_sequence: PositiveInt | None = None
+    """The page table's width: the most pages one sequence holds, so kv_page_size x this
+    bounds max_sequence_length. None = what max_sequence_length needs."""
     concurrent_batches: PositiveInt | None = None
     """Batches decoding at once, each with its own thread and KV cache (kv_cache_bytes each):
     requests share one batch; exclusive (reproducible) requests take a batch each, so a
@@ -753,6 +760,21 @@ class SamplerConfig(Section):
         if self.kv_page_size % 16:
             raise ConfigError(f"sampler.kv_page_size: expected a multiple of 16 (a bfloat16 "
                               f"page fills whole TPU tiles), got {self.kv_page_size}")
+        longest = -(-self.max_sequence_length // self.kv_page_size)
+        per_sequence = self.kv_pages_per_sequence
+        if per_sequence is not None and per_sequence < longest:
+            raise ConfigError(
+                f"sampler.kv_pages_per_sequence: {per_sequence} pages of kv_page_size "
+                f"{self.kv_page_size} hold {per_sequence * self.kv_page_size} tokens, fewer than "
+                f"max_sequence_length {self.max_sequence_length} (needs {longest})")
+        if self.kv_pages and self.kv_pages < longest:
+            raise ConfigError(
+                f"sampler.kv_pages: {self.kv_pages} pages of kv_page_size {self.kv_page_size} "
+                f"hold no sequence of max_sequence_length {self.max_sequence_length} (one needs "
+                f"{longest})")
+        if self.kv_pages and self.kv_cache_bytes:
+            raise ConfigError("sampler.kv_pages and sampler.kv_cache_bytes both size the KV "
+                              "page pool: set one")
         for key in ("data_port", "http_port"):
             port = getattr(self, key)
             if port is not None and port > 65535:

@@ -4,8 +4,8 @@ attention in XLA ops (CPU, and the reference the kernel is tested against).
 A paged cache keeps every sequence's keys/values in fixed-size *pages* of one pool, per layer
 ``k_pages``/``v_pages`` [K, P, page_size, Dh]; row r's token t lives at page
 ``page_indices[r, t // page_size]``, offset ``t % page_size`` (vLLM's PagedAttention). The
-sampler's paged layout (`sampler_service.paged_cache.PagedLayout`) gives each row a contiguous
-run of pages.
+sampler's page pool (`sampler_service.paged_cache.PagedCache`) hands rows pages from a free
+list as they grow.
 
 `jax.experimental.pallas.ops.tpu.paged_attention` reads only the pages below each row's
 length (double-buffered DMAs from HBM), one query token per row. It reads keys and values as

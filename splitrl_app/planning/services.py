@@ -128,28 +128,33 @@ class SamplerPlanner:
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
             max_new_tokens=sampling.max_new_tokens,
             stop_token_ids=tuple(sampling.stop_token_ids))
-        self.engine = self._engine(sampler.max_batch_size, sampler.kv_cache_bytes)
+        self.engine = self._engine(sampler.max_batch_size, sampler.kv_cache_bytes,
+                                   sampler.kv_pages)
         shardings = self.engine.state_shardings(sampler.mesh.strategy)
         self.state = state_from_hf(model_config, {
             name: jax.ShapeDtypeStruct(s.shape, self.dtype, sharding=shardings[name])
             for name, s in param_shapes(model_config).items()})
-        # The configured engine's rows: max_batch_size, or fewer when kv_cache_bytes is set.
+        # The configured engine's rows: max_batch_size, or fewer when kv_cache_bytes (or
+        # kv_pages) is set.
         self.rows = self.engine.max_batch_size
         self.step = self.group
         self.limit = 16 * max(self.rows, self.group)
         self.strategy = sampler.mesh.strategy
-        self.budget = sampler.kv_cache_bytes
+        self.budget = (f"kv_cache_bytes {sampler.kv_cache_bytes}" if sampler.kv_cache_bytes
+                       else f"kv_pages {sampler.kv_pages}" if sampler.kv_pages
+                       and self.engine.cache.paged else None)
 
-    def _engine(self, rows: int, kv_cache_bytes: int):
+    def _engine(self, rows: int, kv_cache_bytes: int, kv_pages: int):
         from sampler_service.engine import engine_from_config
 
         return engine_from_config(self.cfg, self.config, self.graphdef, self.mesh,
                                   eos_token_ids=self.eos, pad_token_id=0, max_batch_size=rows,
-                                  kv_cache_bytes=kv_cache_bytes)
+                                  kv_cache_bytes=kv_cache_bytes, kv_pages=kv_pages)
 
     def describe(self, rows: int) -> str:
-        budget = (f"kv_cache_bytes {self.budget}" if rows == self.rows and self.budget
-                  else "KV cache sized for them")
+        sized = "KV page pool" if self.engine.cache.paged else "KV cache"
+        budget = (self.budget if rows == self.rows and self.budget
+                  else f"{sized} sized for them")
         return (f"{rows} sequences in flight ({rows // self.group} prompts x {self.group}), "
                 f"prompt {self.prompt_length} + {self.new_tokens} new tokens, {budget}, "
                 f"{self.dtype.name}, strategy {self.strategy}")
@@ -159,7 +164,7 @@ class SamplerPlanner:
 
         params = shard_bytes(self.state)
         # The configured engine at its own rows; a searched size gets a cache sized for it.
-        engine = self.engine if rows == self.rows else self._engine(rows, 0)
+        engine = self.engine if rows == self.rows else self._engine(rows, 0, 0)
         prompts = [[0] * self.prompt_length] * max(1, rows // self.group)
         request = engine.new_request(prompts, self.options, min(self.group, rows),
                                      weights=PinnedWeights(0, self.state))
@@ -169,7 +174,7 @@ class SamplerPlanner:
 
         def categories(programs):
             prefill, admit, decode = (programs[k] for k in ("prefill", "admit", "decode"))
-            return {
+            out = {
                 "parameters": params,
                 "push staging": params,  # a push is staged beside the served weights
                 "kv cache": kv,
@@ -179,6 +184,9 @@ class SamplerPlanner:
                 "temporaries": max(prefill.transient, prefill.new_outputs + admit.transient,
                                    decode.transient),
             }
+            if engine.cache.paged:  # a page pool is allocated once, never resized
+                del out["kv cache resize"]
+            return out
 
         return _measure(rows, self.target.hbm_bytes, lowered, categories)
 

@@ -16,9 +16,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sampler_helpers import REPO, tiny_config
 
+from sampler_service import paged_cache
 from sampler_service.engine import GenerationEngine
-from sampler_service.kv_cache import CacheLayout, layout_for
-from sampler_service.paged_cache import PagedLayout
+from sampler_service.kv_cache import CacheLayout, CacheShape, layout_for
+from sampler_service.paged_cache import PagedCache, PagedLayout, pages_for
 from sampler_service.sampling import SamplingOptions
 from splitrl.config import ConfigError, load_config
 from splitrl.models import TransformerConfig, init_random
@@ -36,23 +37,6 @@ CONFIG = tiny_config()
 def test_pages_per_block_divides_the_table_within_512_tokens():
     assert [pages_per_block(n, 16) for n in (1, 6, 32, 64)] == [1, 6, 32, 32]
     assert pages_per_block(6, 128) == 3
-
-
-def test_paged_layout_pages_divide_every_cache_width():
-    layout = PagedLayout(64)
-    # bucketed widths are powers of two from 32; the widest is rounded up to whole 16s
-    assert layout.width_cap(100) == 112 and layout.width_cap(256) == 256
-    assert [layout.page_for(w) for w in (32, 64, 128, 112)] == [32, 64, 64, 16]
-    np.testing.assert_array_equal(layout.page_table(2, 128), [[0, 1], [2, 3]])
-
-
-def test_page_size_is_checked_by_name():
-    with pytest.raises(ValueError, match="kv_page_size: expected a positive multiple of 16"):
-        PagedLayout(24)
-    with pytest.raises(ConfigError, match="sampler.kv_page_size: expected a multiple of 16"):
-        load_config(None, ["sampler.kv_page_size=40"])
-    with pytest.raises(ValueError, match="decode_attention: expected one of"):
-        layout_for(Mesh(np.array(jax.devices()[:1]), ("tensor",)), "flash")
 
 
 def test_decode_attention_picks_the_layout_by_platform():
@@ -116,60 +100,205 @@ def test_paged_attention_kernel_under_shard_map_over_the_tensor_axis():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_paged_layout_writes_read_back_through_its_page_table_as_the_slot_cache():
-    """Prompts, then one token per row, written in both layouts: every layer's pages,
-    gathered through the paged layout's table, are the slot layout's rows."""
+def test_paged_layout_writes_through_scattered_page_tables_read_back_as_the_slot_cache():
+    """Prompts, then one token per row, written in both layouts, the paged one through page
+    tables scattered over a pool: every layer's pages, gathered through the tables, are the
+    slot layout's rows; the writes of a row without pages land on the scratch page, and a row
+    or slot past the tables is dropped."""
     rng = np.random.default_rng(0)
     layers, kh, dh, rows, width = 2, CONFIG.num_kv_heads, CONFIG.head_dim, 4, 64
     paged, slots = PagedLayout(16), CacheLayout(slot_major=True)
-    cache = {lay: tuple(jnp.zeros(s) for s in lay.shapes(CONFIG, rows, width))
-             for lay in (paged, slots)}
-    k, v = (jnp.asarray(rng.standard_normal((layers, 2, 20, kh, dh)), jnp.float32)
+    pages = 4 * rows  # + the scratch page, number 16
+    table = jnp.asarray(rng.permutation(pages).reshape(rows, 4), jnp.int32)
+    table = table.at[2].set(pages)  # row 2 holds no pages: the scratch page
+    cache = {paged: tuple(jnp.zeros(s) for s in paged.shapes(CONFIG, pages + 1)),
+             slots: tuple(jnp.zeros(s) for s in slots.shapes(CONFIG, rows, width))}
+    k, v = (jnp.asarray(rng.standard_normal((layers, 3, 20, kh, dh)), jnp.float32)
             for _ in range(2))
-    prompt_rows, prompt_slots = jnp.asarray([3, 1]), jnp.asarray(np.arange(20)[None].repeat(2, 0))
+    # the third prompt's row (4) is past the tables: dropped by both layouts
+    prompt_rows = jnp.asarray([3, 1, 4])
+    prompt_slots = jnp.asarray(np.arange(20)[None].repeat(3, 0))
     token = [jnp.asarray(rng.standard_normal((rows, kh, dh)), jnp.float32) for _ in range(2)]
-    at = jnp.asarray([20, 20, 0, 20])
+    at = jnp.asarray([20, 20, 0, width])  # row 3's slot is past the width: dropped
     for lay in cache:
+        pt = table if lay is paged else None
         for layer in range(layers):
             cache[lay] = lay.write(cache[lay], layer, prompt_rows, prompt_slots, k[layer],
-                                   v[layer])
+                                   v[layer], pt)
         cache[lay] = lay.write(cache[lay], 1, jnp.arange(rows), at[:, None],
-                               *(x[:, None] for x in token))
+                               *(x[:, None] for x in token), pt)
     for i in range(2):  # keys, values
+        pool = np.asarray(cache[paged][i])
         for layer in range(layers):
-            pool = paged.pages(cache[paged][i][layer])
-            gathered = gather_pages(pool, paged.page_table(rows, width))  # [R, K, S, Dh]
-            want = cache[slots][i][layer].transpose(0, 2, 1, 3)  # [R, S, K, Dh] -> [R, K, S, Dh]
-            np.testing.assert_array_equal(np.asarray(gathered), np.asarray(want))
+            gathered = np.asarray(gather_pages(pool[layer], table))  # [R, K, S, Dh]
+            want = np.asarray(cache[slots][i][layer]).transpose(0, 2, 1, 3)
+            for r in (0, 1, 3):
+                np.testing.assert_array_equal(gathered[r], want[r])
+        # the scratch page holds row 2's token (layer 1, slot 0), nothing else was written
+        np.testing.assert_array_equal(pool[1, :, pages, 0], np.asarray(token[i][2]))
+        assert not pool[0, :, pages].any() and not pool[1, :, pages, 1:].any()
+        written = set(np.asarray(table)[[0, 1, 3]].reshape(-1).tolist()) | {pages}
+        assert not pool[:, :, sorted(set(range(pages + 1)) - written)].any()
 
 
-def test_engine_decoding_through_the_paged_layout_gives_the_slot_layouts_tokens():
-    """Six prompts through four rows (finished rows are refilled: the cache is resized and
-    rows move), greedy and sampled: the paged layout's tokens are the slot layout's, logprobs
-    equal up to float32 rounding (on CPU its attention gathers the pages: XLA ops)."""
-    model = init_random(CONFIG, seed=0, std=0.3)
+def _pool(pages=8, page=16, rows=4, width=64):
     mesh = Mesh(np.array(jax.devices()[:1]), ("tensor",))
-    graphdef, state = nnx.split(model)
-    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [20], [30, 31, 32],
-               [40, 41], [50, 51, 52, 53, 54]]
-    outputs = {}
-    for decode_attention in ("xla", "paged"):
-        engine = GenerationEngine(CONFIG, graphdef, mesh=mesh, max_batch_size=4,
-                                  max_sequence_length=40, eos_token_ids=(), pad_token_id=0,
-                                  segment_steps=4, decode_attention=decode_attention,
-                                  kv_page_size=16)
-        placed = engine.place_state(state)
-        try:
-            outputs[decode_attention] = [
-                engine.generate(placed, prompts, SamplingOptions(max_new_tokens=m, **kw))
-                for m, kw in ((9, {}), (13, dict(temperature=1.0, seed=7)))]
-            assert engine.stats["cache_resizes"] > 0
-        finally:
-            engine.close()
-    for want, got in zip(outputs["xla"], outputs["paged"], strict=True):
-        for a, b in zip(want, got, strict=True):
-            assert a[0].token_ids == b[0].token_ids
-            np.testing.assert_allclose(a[0].logprobs, b[0].logprobs, atol=1e-5)
+    return PagedCache(CONFIG, jnp.float32, mesh, layout=PagedLayout(page, mesh), pages=pages,
+                      pages_per_sequence=pages_for(width, page), max_rows=rows, max_width=width)
+
+
+def test_page_pool_reserves_final_lengths_grows_rows_and_frees_them():
+    pool = _pool()
+    assert pool.guaranteed_rows() == 2  # 8 pages, 4 per sequence of 64 tokens
+    assert pool.admits([64, 64]) and pool.admits([40, 20, 33])  # 3 + 2 + 3 pages
+    assert not pool.admits([40, 20, 33, 17])  # 9 pages
+    assert not pool.admits([1] * 5)  # rows: at most 4
+    a, b = [], []
+    pool.grow(a, 17)
+    pool.grow(b, 5)
+    pool.grow(a, 32)  # still two pages
+    pool.grow(a, 33)
+    assert (a, b) == ([0, 1, 3], [2])
+    pool.shape = CacheShape(4, 32)  # the segment's width: two pages per table row
+    np.testing.assert_array_equal(pool.page_table([None, a, b, None]),
+                                  [[8, 8], [0, 1], [2, 8], [8, 8]])
+    pool.free(a)
+    assert a == [] and pool.free_list[-3:] == [3, 1, 0]
+    pool.grow(b, 40)  # the last freed first
+    assert b == [2, 0, 1]
+    with pytest.raises(RuntimeError, match="page pool exhausted: a row needs 6 more pages"):
+        pool.grow([], 90)
+    assert pool.budget_bytes == 9 * 16 * 2 * 2 * CONFIG.num_kv_heads * CONFIG.head_dim * 4
+
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [20], [30, 31, 32], [40, 41],
+           [50, 51, 52, 53, 54]]
+GRAPHDEF, STATE = nnx.split(init_random(CONFIG, seed=0, std=0.3))
+RUNS = ((9, {}), (13, dict(temperature=1.0, seed=7)))  # (max_new_tokens, sampling), greedy first
+
+
+def _engine(decode_attention="paged", **kw):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tensor",))
+    kw = dict(max_batch_size=4, max_sequence_length=40, segment_steps=4, kv_page_size=16) | kw
+    return GenerationEngine(CONFIG, GRAPHDEF, mesh=mesh, eos_token_ids=(), pad_token_id=0,
+                            decode_attention=decode_attention, **kw)
+
+
+def _generate(engine, runs=RUNS, prompts=PROMPTS, **kw):
+    """The engine's completions of ``prompts`` for each of ``runs``; the engine stays open
+    (closing it releases the pool)."""
+    placed = engine.place_state(STATE)
+    return [engine.generate(placed, prompts, SamplingOptions(max_new_tokens=m, **o), **kw)
+            for m, o in runs]
+
+
+def _same_tokens(want, got, atol=1e-5):
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x[0].token_ids == y[0].token_ids
+            np.testing.assert_allclose(x[0].logprobs, y[0].logprobs, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def slot_cache_tokens():
+    """The slot cache's (XLA) tokens of `RUNS`: what every page pool must give."""
+    engine = _engine("xla")
+    try:
+        return _generate(engine)
+    finally:
+        engine.close()
+
+
+def test_engine_decoding_through_the_page_pool_gives_the_slot_caches_tokens(slot_cache_tokens):
+    """Six prompts through four rows (finished rows are refilled, rows move between slots),
+    greedy and sampled: the page pool's tokens are the slot cache's, logprobs equal up to
+    float32 rounding (on CPU its attention gathers the pages: XLA ops); every page is back
+    in the pool at the end and the pool was allocated once."""
+    engine = _engine()
+    try:
+        _same_tokens(slot_cache_tokens, _generate(engine))
+        assert sorted(engine.cache.free_list) == list(range(engine.cache.num_pages))
+        assert engine.stats["kv_cache_peak_bytes"] == engine.cache.budget_bytes
+    finally:
+        engine.close()
+
+
+def test_engine_decoding_through_the_kernel_in_interpret_mode_gives_the_slot_caches_tokens(
+        monkeypatch):
+    """Three prompts, greedy, over a bfloat16 cache (what a TPU serves, and what the kernel
+    reads keys and values as): decode attention through the Pallas kernel (interpret mode)
+    over the pool gives the slot cache's tokens, logprobs within 1e-3 (both read the same
+    bfloat16 values; they round and accumulate differently on the way). The kernel stands in
+    for what `paged_attend` picks on a TPU (there is none here); pages of 32 tokens give the
+    decode program a layout of its own (no program traced with the XLA path is reused)."""
+    def kernel(*args, **kw):  # traced on the engine's thread: the mode is thread-local
+        with pltpu.force_tpu_interpret_mode():
+            return paged_attend_kernel(*args, **kw)
+
+    runs, prompts = ((9, {}),), PROMPTS[:3]
+    dense = _engine("xla", dtype=jnp.bfloat16)
+    try:
+        want = _generate(dense, runs, prompts)
+    finally:
+        dense.close()
+    monkeypatch.setattr(paged_cache, "paged_attend", kernel)
+    engine = _engine(kv_page_size=32, dtype=jnp.bfloat16)
+    try:
+        got = _generate(engine, runs, prompts)
+    finally:
+        engine.close()
+    _same_tokens(want, got, atol=1e-3)
+
+
+def test_a_small_page_pool_makes_admission_wait_not_fail(slot_cache_tokens):
+    """A pool of 3 pages (16 tokens each) holds the rows of two or three short prompts, not
+    four: the rest wait for pages, and the tokens are still the slot cache's."""
+    engine = _engine(kv_pages=3)
+    try:
+        assert engine.max_batch_size == 1  # guaranteed: one sequence of max_sequence_length
+        _same_tokens(slot_cache_tokens, _generate(engine))
+        assert 2 <= engine.stats["peak_active_sequences"] <= 3
+        assert sorted(engine.cache.free_list) == [0, 1, 2]
+    finally:
+        engine.close()
+
+
+def test_which_pages_a_row_gets_changes_no_token():
+    """A reproducible request decoded by a fresh pool and by one whose free list an earlier
+    workload left shuffled: other pages, bitwise the same tokens and logprobs."""
+    runs = ((12, dict(temperature=1.0, seed=3)),)
+    fresh, used = _engine(), _engine()
+    try:
+        want = _generate(fresh, runs, PROMPTS[:2], exclusive=True)
+        # rows that grow page by page take interleaved pages: freed, they shuffle the list
+        _generate(used, ((30, {}),), PROMPTS[2:])
+        assert used.cache.free_list != list(range(used.cache.num_pages - 1, -1, -1))
+        got = _generate(used, runs, PROMPTS[:2], exclusive=True)
+    finally:
+        fresh.close()
+        used.close()
+    for a, b in zip(want[0], got[0], strict=True):
+        assert a[0].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs
+
+
+def test_page_sizes_and_pool_settings_are_checked_by_name():
+    with pytest.raises(ValueError, match="kv_page_size: expected a positive multiple of 16"):
+        PagedLayout(24)
+    with pytest.raises(ConfigError, match="sampler.kv_page_size: expected a multiple of 16"):
+        load_config(None, ["sampler.kv_page_size=40"])
+    with pytest.raises(ValueError, match="decode_attention: expected one of"):
+        layout_for(Mesh(np.array(jax.devices()[:1]), ("tensor",)), "flash")
+    with pytest.raises(ConfigError, match="kv_pages_per_sequence: 3 pages of kv_page_size 16 "
+                       "hold 48 tokens, fewer than max_sequence_length 64"):
+        load_config(None, ["sampler.max_sequence_length=64", "sampler.kv_page_size=16",
+                           "sampler.kv_pages_per_sequence=3"])
+    with pytest.raises(ConfigError, match="sampler.kv_pages: 3 pages .* hold no sequence"):
+        load_config(None, ["sampler.max_sequence_length=64", "sampler.kv_page_size=16",
+                           "sampler.kv_pages=3"])
+    with pytest.raises(ConfigError, match="kv_pages and sampler.kv_cache_bytes both"):
+        load_config(None, ["sampler.kv_pages=64", "sampler.kv_cache_bytes=1000000"])
+    with pytest.raises(ValueError, match="page pool's 2 pages of 16 tokens .* hold no sequence"):
+        _engine(kv_pages=2)
 
 
 @pytest.mark.skipif(not libtpu_installed(), reason="libtpu (the TPU compiler) is not "

@@ -143,7 +143,7 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
     if slot_major:
         cache = _as_slot_major(*cache)
     (k_cache, v_cache), tokens, *_ = programs.admit(
-        leaves, cache, kv, hidden, prompt_start, prompt_length, row_slot, params,
+        leaves, cache, None, kv, hidden, prompt_start, prompt_length, row_slot, params,
         plan=SamplePlan(sampled=False), sharding=None, layout=CacheLayout(slot_major))
     if slot_major:  # back to the CPU layout for the checks below
         k_cache, v_cache = k_cache.transpose(0, 1, 3, 4, 2), v_cache.transpose(0, 1, 3, 2, 4)
