@@ -11,6 +11,12 @@ exported adapter loaded with peft on the base), far from the base model's; and t
 loads in transformers (peft) with logits equal to SplitRL's own forward of it, by the parity
 test's measure (tests/real_model/test_smollm2_parity.py: |diff| <= 2e-5 x the logits' scale).
 
+The runs train on real GSM8K training questions, the four that the two steps draw, chosen to
+encode to one length with the chat template: every train batch then has the shape the trainer
+warms up for (the longest prompt plus the generation budget), so it compiles its 30-layer train
+step once, not once per padded length, and the trainer's length check reads four rows, not the
+whole split.
+
 At 16 tokens SmolLM2 hardly ever answers, so a group's completions mostly score alike and
 carry no policy gradient: the runs add an entropy bonus and a large learning rate, so the
 weights move measurably in two steps whatever the rewards. The prints give the run's wall
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -43,15 +50,43 @@ MODES = {
     "lora": ("model.lora.rank=8", "trainer.optimizer.lr=1e-3"),
 }
 SERVED_TOKENS = 8  # greedy tokens asked of the sampler after the run
+SCANNED = 400  # GSM8K training rows searched for prompts of one length
+
+
+@pytest.fixture(scope="module")
+def one_length_gsm8k(smollm2_tokenizer, shared_data, tmp_path_factory) -> Path:
+    """A GSM8K folder whose train.jsonl holds the ``STEPS x prompts_per_step`` questions the
+    runs draw: rows of the shipped GSM8K train split that the sampler encodes (the recipe's
+    instruction appended, the chat template) to one length."""
+    from splitrl.tasks import get_task
+    from splitrl.tokenizer import encode_prompt
+
+    trainer = load_config(EXAMPLE, list(BUDGET)).trainer
+    data = trainer.data
+    task = get_task(data.task, path=shared_data / "gsm8k", **data.options)
+    rows = task.rows("train")
+    records = (shared_data / "gsm8k" / "train.jsonl").read_text().splitlines()[:SCANNED]
+    by_length = defaultdict(list)
+    for index, record in enumerate(records):
+        ids = encode_prompt(smollm2_tokenizer, rows[index]["prompt"],
+                            use_chat_template=data.chat_template)
+        by_length[len(ids)].append(record)
+    needed = STEPS * trainer.prompts_per_step
+    chosen = max(by_length.values(), key=len)[:needed]
+    assert len(chosen) == needed, {n: len(r) for n, r in by_length.items()}
+    folder = tmp_path_factory.mktemp("gsm8k-one-length")
+    (folder / "train.jsonl").write_text("".join(r + "\n" for r in chosen))
+    return folder
 
 
 @pytest.mark.timeout(3600)  # a cold start compiles the sampler's and trainer's 30-layer programs
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_grpo_on_gsm8k_pushes_serves_and_exports(mode, smollm2, hf_smollm2, chat_prompts,
-                                                 tmp_path):
+                                                 one_length_gsm8k, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(EXAMPLE, [f"model.path={smollm2}", f"trainer.run_dir={run_dir}",
-                                *BUDGET, *MODES[mode]])
+                                f"trainer.data.path={one_length_gsm8k}",
+                                "trainer.data.eval_split=null", *BUDGET, *MODES[mode]])
     launcher = Launcher(cfg)
     started = time.monotonic()
     try:
