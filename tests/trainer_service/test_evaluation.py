@@ -1,5 +1,8 @@
-"""Evaluation helpers: the unbiased pass@k, pass@k over groups, the before -> after line, and
-`splitrl eval` refusing pass@k samples no sampler batch holds."""
+"""Evaluation helpers: the unbiased pass@k, pass@k over groups, the before -> after line, when
+a run's periodic evaluation is due, and `splitrl eval` refusing pass@k samples no sampler
+batch holds."""
+
+import threading
 
 import pytest
 
@@ -8,6 +11,7 @@ from splitrl_app.cli import main as splitrl
 from splitrl_app.evaluate import evaluate
 from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
 from trainer_service.orchestration.evaluation import (
+    RunEvaluation,
     accuracy_line,
     pass_at_k,
     pass_at_k_metrics,
@@ -60,6 +64,25 @@ def test_the_accuracy_line_names_where_a_resumed_run_started():
     assert accuracy_line({"eval_after/accuracy": 0.9, "step": 150.0}) == (
         "greedy accuracy on the evaluation prompts: 0.900 (step 150)")  # a finished run re-run
     assert accuracy_line({"step": 3.0}) is None
+
+
+def _periodic(tmp_path, stop, **trainer):
+    cfg = load_config(None, [f"trainer.run_dir={tmp_path}",
+                             *(f"trainer.{k}={v}" for k, v in trainer.items())])
+    return RunEvaluation(cfg, data=None, queue=None, tokenizer=None, run_dir=tmp_path,
+                         accuracy_fn=None, stop=stop)
+
+
+def test_a_periodic_evaluation_is_due_every_n_steps_and_leaves_the_last_to_eval_after(tmp_path):
+    stop = threading.Event()
+    with_after = _periodic(tmp_path, stop, steps=10, eval_every=5, eval_after=True)
+    assert [s for s in range(1, 11) if with_after.due(s)] == [5]  # step 10 is eval_after's
+    without_after = _periodic(tmp_path, stop, steps=10, eval_every=5, eval_after=False)
+    assert [s for s in range(1, 11) if without_after.due(s)] == [5, 10]
+    never = _periodic(tmp_path, stop, steps=10)  # eval_every unset
+    assert not any(never.due(s) for s in range(1, 11))
+    stop.set()  # a run that is stopping does not start one
+    assert not without_after.due(5)
 
 
 def test_eval_refuses_more_samples_than_the_configured_sampler_batch(arith_model, tmp_path,
