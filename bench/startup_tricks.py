@@ -14,9 +14,13 @@ children) are printed beside the reference and their difference:
 - data check: ``splitrl up``'s prompt length check of the demo data (its tokenizer loaded by
   the pinned class, transformers imported) against the same launcher code loading the data
   without a tokenizer (what a launch paid when a passed check was remembered); what each launch
-  pays now that its outcome is no longer cached.
+  pays now that its outcome is no longer cached;
+- resume check: ``splitrl up``'s check that a run directory may be resumed with this config,
+  for a new run directory (no checkpoint there: nothing imported beyond the config) against
+  opening its checkpoint directory anyway (orbax and jax imported, the directory read), what
+  the check would cost without looking for the directory first.
 
-    .venv/bin/python bench/startup_tricks.py [--repeat 3] [--cases tokenizer teardown data]
+    .venv/bin/python bench/startup_tricks.py [--repeat 3] [--cases tokenizer teardown data resume]
 """
 
 from __future__ import annotations
@@ -71,6 +75,23 @@ cfg = load_config(demo.demo_config_path(), ["model.path={model}",
 PromptStream.from_config(cfg.trainer.data).eval_rows()
 assert "transformers" not in sys.modules
 """
+RESUME_NEW_DIR = """
+import sys
+from splitrl.config import load_config
+from splitrl_app.launch import demo
+from trainer_service.resume import resume_problem
+cfg = load_config(demo.demo_config_path(), ["model.path={model}", "trainer.run_dir={run_dir}"])
+assert resume_problem(cfg) is None
+assert "jax" not in sys.modules and "orbax" not in sys.modules
+"""
+RESUME_OPENING_CHECKPOINTS = """
+from splitrl.config import load_config
+from splitrl_app.launch import demo
+from trainer_service.learning.checkpoints import Checkpointer
+cfg = load_config(demo.demo_config_path(), ["model.path={model}", "trainer.run_dir={run_dir}"])
+with Checkpointer.from_config(cfg.trainer.checkpoint, cfg.trainer.run_dir) as checkpointer:
+    assert checkpointer.newest_readable_meta() is None
+"""
 
 
 def cpu_seconds(code: str, env: dict[str, str]) -> float:
@@ -95,8 +116,8 @@ def compare(label: str, case: str, reference: str, env: dict[str, str], repeat: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--cases", nargs="+", default=["tokenizer", "teardown", "data"],
-                        choices=["tokenizer", "teardown", "data"])
+    cases = ["tokenizer", "teardown", "data", "resume"]
+    parser.add_argument("--cases", nargs="+", default=cases, choices=cases)
     args = parser.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu",
            "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
@@ -115,7 +136,7 @@ def main() -> None:
             torch_note = "torch not installed: AutoTokenizer imports no torch"
         print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; tokenizer class "
               f"{name}; {torch_note}; median of {args.repeat}")
-        fill = {"model": model, "name": name}
+        fill = {"model": model, "name": name, "run_dir": str(Path(tmp) / "new-run")}
         if "tokenizer" in args.cases:
             compare("tokenizer: AutoTokenizer", TOKENIZER_AUTO.format(**fill),
                     TOKENIZER_NAMED.format(**fill), env, args.repeat)
@@ -125,6 +146,11 @@ def main() -> None:
         if "data" in args.cases:
             compare("launch: prompt length check", DATA_CHECK.format(**fill),
                     DATA_WITHOUT_TOKENIZER.format(**fill), env, args.repeat)
+        if "resume" in args.cases:
+            opened = {**fill, "run_dir": str(Path(tmp) / "opened-run")}  # orbax makes its dir
+            compare("launch: resume check, new run dir",
+                    RESUME_OPENING_CHECKPOINTS.format(**opened), RESUME_NEW_DIR.format(**fill),
+                    env, args.repeat)
 
 
 if __name__ == "__main__":

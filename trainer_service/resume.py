@@ -101,7 +101,7 @@ def resume_problem(cfg: Config) -> str | None:
     ckpt_cfg = cfg.trainer.checkpoint
     directory = Path(ckpt_cfg.dir or Path(cfg.trainer.run_dir) / "checkpoints")
     if not directory.is_dir():
-        return None  # a new run: the launcher need not import jax and orbax
+        return None  # a new run: no jax or orbax in the launcher (bench/startup_tricks.py)
     from trainer_service.learning.checkpoints import Checkpointer
 
     checkpointer = Checkpointer.from_config(ckpt_cfg, cfg.trainer.run_dir)
