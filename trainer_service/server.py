@@ -1,6 +1,8 @@
 """The trainer process: the run loop plus a gRPC server for ``Status`` and sampler membership.
 
-``splitrl trainer --config FILE [a.b=c ...]`` calls :func:`main`.
+``splitrl trainer --config FILE [a.b=c ...]`` calls :func:`main`. Process 0 (the only one
+without ``trainer.distributed``) runs the leader's loop, ``run.LeaderRun``; every other process
+a follower's, ``follower.FollowerRun``.
 
 Multi-host (``trainer.distributed``): every process serves the standard gRPC health service on
 the trainer port (SERVING while its run is healthy: Kubernetes probes every pod), but only
