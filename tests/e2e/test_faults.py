@@ -239,12 +239,16 @@ def test_a_resume_after_skipped_steps_is_bitwise_the_uninterrupted_run(arith_mod
     overrides = (f"trainer.steps={steps}", "trainer.prompts_per_step=1",
                  "algorithm.filter_zero_variance=true",
                  "algorithm.max_extra_draws=0", f"trainer.optimizer.warmup_steps={steps}",
-                 "model.lora.rank=4", "model.lora.dropout=0.5", "trainer.checkpoint.every=1",
+                 "model.lora.rank=4", "model.lora.dropout=0.5",
                  "trainer.checkpoint.async_save=false", "services.num_samplers=1", *FAST)
-    assert launch(run_config(arith_model, reference, *overrides)) == 0
+    # The uninterrupted run saves no checkpoint before its last step; the interrupted one
+    # saves every step, so that it resumes right after a skipped step.
+    assert launch(run_config(arith_model, reference, *overrides,
+                             "trainer.checkpoint.every=1000")) == 0
     skipped = [m["step"] for m in step_metrics(reference) if m.get("skipped")]
     assert skipped and skipped[0] <= 4, f"steps without groups: {skipped}"
-    launcher = Launcher(run_config(arith_model, run_dir, *overrides))
+    launcher = Launcher(run_config(arith_model, run_dir, *overrides,
+                                   "trainer.checkpoint.every=1"))
     try:
         launcher.up()
         wait_for(lambda: status_step(launcher) >= skipped[0] + 1, 300,
