@@ -104,9 +104,11 @@ def test_plan_exit_codes_say_whether_it_fits(one_layer_config, capsys):
 
 
 def test_cpu_plan_gives_each_service_the_devices_of_its_own_mesh(one_layer_config, capsys):
-    """demo.yaml's trainer (fsdp=4) and samplers (tensor=2) planned together on CPU."""
+    """demo.yaml's trainer (fsdp=4) and samplers (tensor=2) planned together on CPU. The
+    sampler's batch is the one test_plan_exit_codes_say_whether_it_fits plans on the same two
+    devices: one sampler program set, compiled once (the suite's compilation cache)."""
     args = ["plan", "--platform", "cpu", "--no-search", "--config", DEMO,
-            "--model", str(one_layer_config)]
+            "--model", str(one_layer_config), "sampler.max_batch_size=32"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "trainer: cpu (4 x cpu" in out and "mesh fsdp=4" in out
