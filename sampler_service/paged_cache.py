@@ -145,7 +145,7 @@ class PagedCache:
         # The free pages, the next one taken last (so a fresh pool hands out 0, 1, 2...);
         # freed pages go back on the end: the next taken are the last freed.
         self.free_list = list(range(self.num_pages - 1, -1, -1))
-        spec = [None] * 5
+        spec: list[str | None] = [None] * 5
         tp = dict(mesh.shape).get(TENSOR_AXIS, 1)
         if tp > 1 and config.num_kv_heads % tp == 0:
             spec[layout.head_axis] = TENSOR_AXIS
@@ -182,6 +182,7 @@ class PagedCache:
     def page_table(self, rows: list[list[int] | None]) -> np.ndarray:
         """[rows, pages the shape's width needs] int32: each row's pages in token order (one
         list per cache row, None for an empty one), the scratch page where a row has none."""
+        assert self.shape is not None, "page_table() before resize()"
         columns = pages_for(self.shape.width, self.page_size)
         out = np.full((len(rows), columns), self.scratch, np.int32)
         for r, pages in enumerate(rows):
@@ -194,7 +195,8 @@ class PagedCache:
 
     def sharding(self, rows: int | None = None) -> NamedSharding:
         """KV heads on the "tensor" axis when they divide by it; the pool is otherwise
-        replicated (every row may hold any page)."""
+        replicated (every row may hold any page): a data axis holds it, and decodes every row,
+        once per data shard."""
         return self._sharding
 
     def shape_bytes(self, shape=None) -> int:

@@ -47,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sampler_service import _programs
 from sampler_service._inputs import pack_prompts, pow2, row_params
 from sampler_service.kv_cache import CacheShape, SlotCache, bucket_rows, bucket_width
+from sampler_service.paged_cache import PagedCache
 from sampler_service.requests import FinishedGroup, GeneratedSequence, GenerationRequest
 
 _NEVER = np.int32(2**31 - 1)
@@ -98,7 +99,7 @@ class _Weights:
 class Scheduler:
     """The batch in flight and its admission policy; see the module docstring."""
 
-    def __init__(self, *, graphdef, cache: SlotCache, vocab_size: int, eos_token_ids,
+    def __init__(self, *, graphdef, cache: SlotCache | PagedCache, vocab_size: int, eos_token_ids,
                  pad_token_id: int, segment_steps: int, prefill_chunk_tokens: int, static: bool,
                  update_in_flight: bool, weight_source, stats: dict,
                  stats_lock: threading.Lock):
@@ -217,7 +218,7 @@ class Scheduler:
 
     def _drop(self, slot: int) -> None:
         row = self.rows.pop(slot)
-        if self.cache.paged:
+        if isinstance(self.cache, PagedCache):
             self.cache.free(row.pages)
 
     # ------------------------------------------------------------------ 2. weights
@@ -335,7 +336,7 @@ class Scheduler:
         rows_b = bucket_rows(count, self.cache.max_rows)
         needs = {slot: self._segment_need(row) for slot, row in self.rows.items()}
         shape = CacheShape(rows_b, bucket_width(max(needs.values()), self.cache.max_width))
-        if self.cache.paged:
+        if isinstance(self.cache, PagedCache):
             for slot, row in self.rows.items():
                 self.cache.grow(row.pages, needs[slot])
         fresh = {id(r) for r in new_rows}
@@ -524,7 +525,7 @@ class Scheduler:
     def _page_table(self):
         """A paged cache's page tables of the cache's rows (`PagedCache.page_table`), else
         None."""
-        if not self.cache.paged:
+        if not isinstance(self.cache, PagedCache):
             return None
         return self.cache.page_table([self.rows[s].pages if s in self.rows else None
                                       for s in range(self.cache.shape.rows)])
