@@ -51,6 +51,17 @@ def engine(model, smollm2, smollm2_tokenizer):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def greedy(engine, chat_prompts):
+    """The engine's greedy completions of the chat prompts, ``MAX_NEW`` tokens at most. The
+    tests that ask the engine more ask it for the same batch (every prompt, ``MAX_NEW``
+    tokens) and read the first row: one batch shape, so one set of compiled programs."""
+    eng, state = engine
+    return [row for [row] in eng.generate(state, chat_prompts,
+                                          SamplingOptions(temperature=0.0,
+                                                          max_new_tokens=MAX_NEW))]
+
+
 def _left_padded(prompts: list[list[int]]):
     width = max(map(len, prompts))
     tokens = np.full((len(prompts), width), IM_END, np.int32)
@@ -106,17 +117,14 @@ def test_logits_match_transformers_on_chat_rendered_gsm8k(model, hf_smollm2, cha
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-def test_greedy_tokens_match_transformers_generate(engine, hf_smollm2, smollm2,
+def test_greedy_tokens_match_transformers_generate(greedy, hf_smollm2, smollm2,
                                                    smollm2_tokenizer, chat_prompts):
-    eng, state = engine
-    ours = eng.generate(state, chat_prompts, SamplingOptions(temperature=0.0,
-                                                            max_new_tokens=MAX_NEW))
     import transformers
 
     config = transformers.GenerationConfig.from_pretrained(smollm2, max_new_tokens=MAX_NEW,
                                                            do_sample=False, pad_token_id=IM_END)
     ref = _hf_greedy(hf_smollm2, chat_prompts, config)
-    for prompt, [seq], expected in zip(chat_prompts, ours, ref, strict=True):
+    for prompt, seq, expected in zip(chat_prompts, greedy, ref, strict=True):
         tokens = list(seq.token_ids)
         if tokens != expected:  # only a float near-tie in transformers' own logits may differ
             k = next(i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b)
@@ -136,15 +144,14 @@ def test_greedy_tokens_match_transformers_generate(engine, hf_smollm2, smollm2,
 
 
 def test_generation_config_eos_ids_end_completions_as_in_transformers(
-        engine, model, hf_smollm2, smollm2, smollm2_tokenizer, chat_prompts, tmp_path):
+        engine, greedy, model, hf_smollm2, smollm2, smollm2_tokenizer, chat_prompts, tmp_path):
     """Two eos ids in generation_config.json, the second one a token the model writes a few
     tokens into its answer: both SplitRL and transformers stop right after it."""
     import transformers
 
     eng, state = engine
     prompt = chat_prompts[:1]
-    [[free]] = eng.generate(state, prompt, SamplingOptions(temperature=0.0, max_new_tokens=12))
-    tokens = list(free.token_ids)
+    tokens = list(greedy[0].token_ids)
     k = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])
     checkpoint = tmp_path / "smollm2-two-eos"
     shutil.copytree(smollm2, checkpoint, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -157,26 +164,23 @@ def test_generation_config_eos_ids_end_completions_as_in_transformers(
     # to its engine as eos ids; the engine stops on eos ids and a request's stop ids alike).
     stops = generation_stop_ids(str(checkpoint), model.config, smollm2_tokenizer)
     assert stops == [IM_END, tokens[k]]
-    [[seq]] = eng.generate(state, prompt, SamplingOptions(temperature=0.0, max_new_tokens=12,
-                                                         stop_token_ids=stops))
-    config = transformers.GenerationConfig.from_pretrained(checkpoint, max_new_tokens=12,
+    [seq], *_ = eng.generate(state, chat_prompts, SamplingOptions(
+        temperature=0.0, max_new_tokens=MAX_NEW, stop_token_ids=stops))
+    config = transformers.GenerationConfig.from_pretrained(checkpoint, max_new_tokens=MAX_NEW,
                                                            do_sample=False, pad_token_id=IM_END)
     assert list(seq.token_ids) == tokens[:k + 1] == _hf_greedy(hf_smollm2, prompt, config)[0]
     assert seq.finish_reason == "stop"
 
 
-def test_stop_strings_end_completions_as_in_transformers(engine, hf_smollm2, smollm2,
+def test_stop_strings_end_completions_as_in_transformers(greedy, hf_smollm2, smollm2,
                                                          smollm2_tokenizer, chat_prompts):
     """A word the model writes mid-answer as the stop string: the sampler's cut
     (`stop_string_cut`, applied by sampler_service.rollout to every completion) keeps what
     transformers' generate(stop_strings=...) generates."""
     import transformers
 
-    eng, state = engine
     prompt = chat_prompts[:1]
-    [[seq]] = eng.generate(state, prompt, SamplingOptions(temperature=0.0,
-                                                         max_new_tokens=MAX_NEW))
-    tokens = list(seq.token_ids)
+    tokens = list(greedy[0].token_ids)
     stop = decode(smollm2_tokenizer, tokens).split()[6]  # a word, not a whole token, maybe
     keep = stop_string_cut(smollm2_tokenizer, tokens, [stop])
     assert keep is not None and keep < len(tokens)
