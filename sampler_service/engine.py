@@ -203,7 +203,9 @@ class GenerationEngine:
         what `stats` reports and `_publish` exports."""
         return {"queued_sequences": sum(s.waiting_sequences() for s in self.schedulers),
                 "active_sequences": sum(s.active_sequences() for s in self.schedulers),
-                "kv_cache_bytes": sum(cache.allocated_bytes for cache in self.caches)}
+                "kv_cache_bytes": sum(cache.allocated_bytes for cache in self.caches),
+                "kv_pages_in_use": sum(cache.pages_in_use for cache in self.caches
+                                       if isinstance(cache, PagedCache))}
 
     # ------------------------------------------------------------------ weights
 
@@ -354,6 +356,7 @@ class GenerationEngine:
         metrics.QUEUED_SEQUENCES.set(waiting)
         metrics.ACTIVE_SEQUENCES.set(gauges["active_sequences"])
         metrics.KV_CACHE_BYTES.set(gauges["kv_cache_bytes"])
+        metrics.KV_PAGES_IN_USE.set(gauges["kv_pages_in_use"])
         metrics.BATCH_OCCUPANCY.set(self._stats["last_batch_occupancy"])
         metrics.TOKENS_PER_SECOND.set(self._stats["last_tokens_per_second"])
 
@@ -371,6 +374,7 @@ class GenerationEngine:
         gauges: batch_occupancy (live / computed rows, whole life), last_batch_occupancy and
         last_tokens_per_second (last segment), queued_sequences, active_sequences,
         peak_active_sequences, peak_queued_sequences, kv_cache_bytes (allocated now),
+        kv_pages_in_use (of the page pools: held by sequences in flight),
         kv_cache_peak_bytes,
         kv_cache_budget_bytes, compiled_programs."""
         with self._lock:

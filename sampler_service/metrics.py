@@ -24,6 +24,9 @@ ACTIVE_SEQUENCES = Gauge(
     "splitrl_sampler_active_sequences", "Completions in the decode batch.")
 KV_CACHE_BYTES = Gauge(
     "splitrl_sampler_kv_cache_bytes", "Bytes of KV cache allocated now.")
+KV_PAGES_IN_USE = Gauge(
+    "splitrl_sampler_kv_pages_in_use",
+    "Pages of the KV page pools held by sequences in flight (0 with the slot cache).")
 KV_CACHE_BUDGET_BYTES = Gauge(
     "splitrl_sampler_kv_cache_budget_bytes", "The KV-cache budget (sampler.kv_cache_bytes).")
 GENERATE_SECONDS = Histogram(

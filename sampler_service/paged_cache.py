@@ -153,6 +153,10 @@ class PagedCache:
 
     # -- admission and pages ----------------------------------------------------------------
 
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self.free_list)
+
     def admits(self, widths: list[int]) -> bool:
         """Whether rows of final widths ``widths`` (those in the batch and the candidates) fit
         the rows and the pool, each reserving the pages of its final width."""

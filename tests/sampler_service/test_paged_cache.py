@@ -20,6 +20,7 @@ from sampler_service import paged_cache
 from sampler_service.engine import GenerationEngine
 from sampler_service.kv_cache import CacheLayout, CacheShape, layout_for
 from sampler_service.paged_cache import PagedCache, PagedLayout, pages_for
+from sampler_service.requests import PinnedWeights
 from sampler_service.sampling import SamplingOptions
 from splitrl.config import ConfigError, load_config
 from splitrl.models import TransformerConfig, init_random
@@ -252,10 +253,24 @@ def test_engine_decoding_through_the_kernel_in_interpret_mode_gives_the_slot_cac
 
 def test_a_small_page_pool_makes_admission_wait_not_fail(slot_cache_tokens):
     """A pool of 3 pages (16 tokens each) holds the rows of two or three short prompts, not
-    four: the rest wait for pages, and the tokens are still the slot cache's."""
+    four: the rest wait for pages, and the tokens are still the slot cache's. Stepped by hand
+    first: the first boundary admits the two prompts whose final pages (1 + 2) fill the pool,
+    and their rows hold the pages of the first segment (one each)."""
     engine = _engine(kv_pages=3)
     try:
         assert engine.max_batch_size == 1  # guaranteed: one sequence of max_sequence_length
+        scheduler = engine.scheduler
+        scheduler.queue.append(engine.new_request(
+            PROMPTS[:4], SamplingOptions(max_new_tokens=9),
+            weights=PinnedWeights(0, engine.place_state(STATE))))
+        scheduler.step()
+        assert [len(row.pages) for row in scheduler.rows.values()] == [1, 1]
+        assert engine.stats["kv_pages_in_use"] == 2 and engine.stats["queued_sequences"] == 2
+        for _ in range(40):  # to the end: every prompt admitted and finished
+            if not scheduler.rows and not scheduler.queue:
+                break
+            scheduler.step()
+        assert engine.stats["kv_pages_in_use"] == 0
         _same_tokens(slot_cache_tokens, _generate(engine))
         assert 2 <= engine.stats["peak_active_sequences"] <= 3
         assert sorted(engine.cache.free_list) == [0, 1, 2]
@@ -273,6 +288,7 @@ def test_which_pages_a_row_gets_changes_no_token():
         # rows that grow page by page take interleaved pages: freed, they shuffle the list
         _generate(used, ((30, {}),), PROMPTS[2:])
         assert used.cache.free_list != list(range(used.cache.num_pages - 1, -1, -1))
+        assert used.stats["kv_pages_in_use"] == 0
         got = _generate(used, runs, PROMPTS[:2], exclusive=True)
     finally:
         fresh.close()
