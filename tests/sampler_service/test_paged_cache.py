@@ -297,7 +297,7 @@ def test_which_pages_a_row_gets_changes_no_token():
         assert a[0].token_ids == b[0].token_ids and a[0].logprobs == b[0].logprobs
 
 
-def test_page_sizes_and_pool_settings_are_checked_by_name():
+def test_page_pool_settings_are_checked_by_name_and_size_the_pool():
     with pytest.raises(ValueError, match="kv_page_size: expected a positive multiple of 16"):
         PagedLayout(24)
     with pytest.raises(ConfigError, match="sampler.kv_page_size: expected a multiple of 16"):
@@ -315,6 +315,10 @@ def test_page_sizes_and_pool_settings_are_checked_by_name():
         load_config(None, ["sampler.kv_pages=64", "sampler.kv_cache_bytes=1000000"])
     with pytest.raises(ValueError, match="page pool's 2 pages of 16 tokens .* hold no sequence"):
         _engine(kv_pages=2)
+    # kv_cache_bytes sizes the pool, its scratch page included: a page is 16 tokens x 2 layers
+    # x (keys, values) x 2 heads x 8 x 4 bytes
+    page = 16 * 2 * 2 * CONFIG.num_kv_heads * CONFIG.head_dim * 4
+    assert _engine(kv_cache_bytes=6 * page + 100).cache.num_pages == 5
 
 
 @pytest.mark.skipif(not libtpu_installed(), reason="libtpu (the TPU compiler) is not "
@@ -338,6 +342,11 @@ def test_a_tpu_sampler_plan_decodes_through_the_paged_kernel():
     kernels = {p.name: p.kernels for p in report.measurement.programs}
     assert kernels == {"prefill": (), "admit": (),
                        "decode": ("paged_flash_attention_kernel_inline_seq_dim",)}
+    # The page pool, held once (no resize copy): 16 sequences x 2 pages of 64 tokens, plus the
+    # scratch page; keys and values, bfloat16, the 2 KV heads split over the 2 chips.
+    categories = report.measurement.categories
+    assert categories["kv cache"] == (16 * 2 + 1) * 64 * 2 * 128 * 2 and (
+        "kv cache resize" not in categories)
     mesh = Mesh(np.array(target.devices[:2]), ("tensor",))
     assert layout_for(mesh, "auto", 64, head_dim=64) == CacheLayout(slot_major=True)
     with pytest.raises(ValueError, match="needs head_dim a multiple of 128; this model's is 64"):
