@@ -132,7 +132,8 @@ def sampler_estimate(cfg: Config, model: ModelShape, devices: int, capacity: int
     ``kv_cache_bytes`` caps it), in each of ``concurrent_batches`` batches: counted at the
     most a run can send one sampler at once, a step's completions (``max_staleness + 1``
     steps' in an asynchronous run) or an evaluation's ``eval_prompts``, each row
-    ``max_sequence_length`` wide."""
+    ``max_sequence_length`` wide. With ``decode_attention: paged`` the cache is a page pool,
+    allocated whole (``kv_pages``)."""
     s = cfg.sampler
     size = _DTYPE_BYTES[s.dtype or cfg.model.dtype]
     params = model.parameters * size * _copies(s.mesh.strategy, devices)
@@ -147,6 +148,12 @@ def sampler_estimate(cfg: Config, model: ModelShape, devices: int, capacity: int
     # As sampler_service.engine.concurrent_batches_for decides it on CPU devices.
     batches = s.concurrent_batches or (2 if (cores or 1) >= 2 else 1)
     kv = rows * per_sequence
+    if s.decode_attention == "paged":  # a page pool (sampler_service.paged_cache), whole
+        page = model.kv_bytes_per_token(size) * s.kv_page_size
+        longest = -(-s.max_sequence_length // s.kv_page_size)
+        pages = s.kv_pages or (s.kv_cache_bytes // page - 1 if s.kv_cache_bytes
+                               else s.max_batch_size * longest)
+        kv = (pages + 1) * page  # its scratch page included
     prompts = max(1, rows // min(cfg.algorithm.group_size, rows))
     prompt = max(1, s.max_sequence_length - cfg.sampling.max_new_tokens)
     prefill = 4 * prompts * prompt * (3 * model.intermediate + 2 * model.heads * prompt)

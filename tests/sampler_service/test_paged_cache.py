@@ -321,6 +321,20 @@ def test_page_pool_settings_are_checked_by_name_and_size_the_pool():
     assert _engine(kv_cache_bytes=6 * page + 100).cache.num_pages == 5
 
 
+def test_the_launch_estimate_counts_the_page_pool_whole():
+    """`splitrl up`'s arithmetic estimate: a sampler decoding through the page pool holds
+    kv_pages + 1 pages whatever the sequences in flight."""
+    from splitrl_app.planning.estimate import ModelShape, sampler_estimate
+
+    model = ModelShape(vocab=256, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2,
+                       head_dim=8, tied=False)
+    cfg = load_config(None, ["sampler.decode_attention=paged", "sampler.kv_pages=40",
+                             "sampler.kv_page_size=16", "sampler.dtype=float32",
+                             "sampler.concurrent_batches=1"])
+    m = sampler_estimate(cfg, model, devices=1, capacity=2**40)
+    assert m.categories["kv cache"] == 41 * 16 * 2 * 2 * 2 * 8 * 4
+
+
 @pytest.mark.skipif(not libtpu_installed(), reason="libtpu (the TPU compiler) is not "
                     "installed: pip install -e '.[tpu-plan]'")
 def test_a_tpu_sampler_plan_decodes_through_the_paged_kernel():
