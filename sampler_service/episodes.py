@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from sampler_service import metrics
-from sampler_service.requests import FinishedGroup
+from sampler_service.requests import FinishedGroup, cut_at_stop_string
 from sampler_service.sampling import SamplingOptions
 from splitrl.config import EnvironmentConfig
 from splitrl.environments import ToolCall, ToolRunner, detect_format, parse_tool_calls
@@ -156,8 +156,11 @@ class Episodes:
 
     def run(self, prompts: list[list[int]], seeds: list[int], keys: list[list[str]],
             options: SamplingOptions, n: int, *, exclusive: bool, sink,
-            failed: set[str] = frozenset()) -> _Driver:
-        driver = _Driver(self, prompts, seeds, keys, options, n, exclusive, sink, failed)
+            failed: set[str] = frozenset(), stop_strings: Sequence[str] = ()) -> _Driver:
+        """Run the episodes on their own thread. ``stop_strings`` (``sampling.stop_strings``)
+        end a turn where its text first holds one, as they end a single-turn completion."""
+        driver = _Driver(self, prompts, seeds, keys, options, n, exclusive, sink, failed,
+                         tuple(stop_strings))
         threading.Thread(target=driver.run, name="episodes", daemon=True).start()
         return driver
 
@@ -181,9 +184,10 @@ class _Driver:
     its event queue; it alone changes the episodes)."""
 
     def __init__(self, owner: Episodes, prompts, seeds, keys, options, n, exclusive, sink,
-                 failed):
+                 failed, stop_strings):
         self.owner, self.cfg = owner, owner.cfg
         self.failed = failed
+        self.stop_strings = stop_strings
         self.options, self.n, self.exclusive, self.sink = options, n, exclusive, sink
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.episodes = {key: _Episode(key, i, j, list(prompts[i]), seeds[i])
@@ -287,6 +291,7 @@ class _Driver:
             self._after_turn(self.episodes[key], seq)
 
     def _after_turn(self, ep: _Episode, seq) -> None:
+        seq = cut_at_stop_string(seq, self.owner.tokenizer, self.stop_strings)
         start = len(ep.ids)
         ep.ids += seq.token_ids
         ep.logprobs += seq.logprobs

@@ -32,6 +32,20 @@ class GeneratedSequence:
     weight_versions: tuple[int, ...] = ()
 
 
+def cut_at_stop_string(seq: GeneratedSequence, tokenizer,
+                       stop_strings: Sequence[str]) -> GeneratedSequence:
+    """``seq`` ended at the first of ``stop_strings`` it wrote, that string's tokens kept
+    (`splitrl.tokenizer.stop_string_cut`); as it is when it holds none. The engine stops on
+    token ids: the text of a stop string is known only once decoded."""
+    from splitrl.tokenizer import stop_string_cut
+
+    keep = stop_string_cut(tokenizer, seq.token_ids, stop_strings) if stop_strings else None
+    if keep is None:
+        return seq
+    return dataclasses.replace(seq, token_ids=list(seq.token_ids[:keep]),
+                               logprobs=list(seq.logprobs[:keep]), finish_reason="stop")
+
+
 @dataclasses.dataclass(frozen=True)
 class FinishedGroup:
     """The n completions of prompt ``index``, with the seconds it waited for decode slots

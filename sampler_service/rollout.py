@@ -27,20 +27,25 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sampler_service import metrics
 from sampler_service.episodes import Trajectory, tool_calls_json
-from sampler_service.requests import EngineClosed, FinishedGroup, GenerationRequest
+from sampler_service.requests import (
+    EngineClosed,
+    FinishedGroup,
+    GenerationRequest,
+    cut_at_stop_string,
+)
 from sampler_service.sampling import SamplingOptions, prompt_seed
 from sampler_service.weights import WeightStore
 from splitrl.config import MIN_TEMPERATURE, SamplingConfig, temperature_ok
 from splitrl.error_cause import Cause
 from splitrl.serving import make_channel
-from splitrl.tokenizer import ByteLevelBytes, longest_token_chars, stop_string_cut
+from splitrl.tokenizer import ByteLevelBytes, longest_token_chars
 from splitrl.v1 import common_pb2, reward_pb2, reward_pb2_grpc, sampler_pb2
 
 log = logging.getLogger(__name__)
@@ -315,15 +320,10 @@ class RolloutWorker:
         metrics.SEQUENCES_GENERATED.inc(len(group.sequences))
 
     def _cut_at_stop_string(self, seq):
-        """``seq`` ended at the first of ``sampling.stop_strings`` it wrote (the engine stops on
-        token ids; the text of a stop string is known only once decoded)."""
-        if not self.sampling.stop_strings or self.tokenizer is None:
+        """``seq`` ended at the first of ``sampling.stop_strings`` it wrote."""
+        if self.tokenizer is None:
             return seq
-        keep = stop_string_cut(self.tokenizer, seq.token_ids, self.sampling.stop_strings)
-        if keep is None:
-            return seq
-        return replace(seq, token_ids=list(seq.token_ids[:keep]),
-                       logprobs=list(seq.logprobs[:keep]), finish_reason="stop")
+        return cut_at_stop_string(seq, self.tokenizer, self.sampling.stop_strings)
 
     def completion(self, seq) -> common_pb2.Completion:
         seq = self._cut_at_stop_string(seq)
@@ -415,7 +415,8 @@ class RolloutWorker:
             prompts[:] = self._with_reset_text(request.prompts, prompts, texts, options)
         return self.episodes.run([p.token_ids for p in prompts], [p.seed for p in prompts],
                                  keys, options, group, exclusive=request.reproducible,
-                                 sink=events, failed=failed)
+                                 sink=events, failed=failed,
+                                 stop_strings=self.sampling.stop_strings)
 
     def _with_reset_text(self, messages: Sequence[common_pb2.Prompt],
                          prompts: list[PreparedPrompt], texts: list[str],
