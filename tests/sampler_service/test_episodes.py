@@ -24,9 +24,13 @@ from splitrl.tokenizer import eos_token_ids, load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    path = init_model(tmp_path_factory.mktemp("tools") / "m", vocab="lookup")
-    return load_tokenizer(path)
+def tools_model(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("tools") / "m", vocab="lookup")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tools_model):
+    return load_tokenizer(tools_model)
 
 
 class ScriptedEngine:
@@ -34,10 +38,15 @@ class ScriptedEngine:
     the turn, or, once an observation ``=d`` is in its context, ``d`` then the end. Records
     every request (prompts, seeds, exclusive) and delivers from a thread, as the engine does."""
 
-    def __init__(self, tokenizer, always_call: bool = False):
+    def __init__(self, tokenizer, always_call: bool = False, call_end: str | None = None,
+                 new_version_per_request: bool = False):
         self.tok = tokenizer
         self.stop = eos_token_ids(tokenizer)[-1]
         self.always_call = always_call
+        # the token after "!" (default: the end of the turn), e.g. what a stop string cuts
+        self.call_end = self.stop if call_end is None else tokenizer.convert_tokens_to_ids(
+            call_end)
+        self.new_version_per_request = new_version_per_request  # a push between turns
         self.requests: list[tuple[list[list[int]], list[int], bool]] = []
         self.version = 3
 
@@ -45,10 +54,12 @@ class ScriptedEngine:
         eq = self.tok.convert_tokens_to_ids("=")
         if eq in prompt and not self.always_call:
             return [prompt[len(prompt) - 1 - prompt[::-1].index(eq) + 1], self.stop]
-        return [self.tok.convert_tokens_to_ids("!"), self.stop]
+        return [self.tok.convert_tokens_to_ids("!"), self.call_end]
 
     def submit(self, prompts, options, n, *, seeds, exclusive, sink):
         self.requests.append(([list(p) for p in prompts], list(seeds), exclusive))
+        if self.new_version_per_request and len(self.requests) > 1:
+            self.version += 1
 
         def deliver():
             for i, p in enumerate(prompts):
@@ -66,14 +77,16 @@ class ScriptedEngine:
         pass
 
 
-def run(episodes, prompts, n=2, exclusive=True, columns=None):
+def run(episodes, prompts, n=2, exclusive=True, columns=None, stop_token_ids=(),
+        temperature=1.0, stop_strings=(), seeds=None):
     events = queue.SimpleQueue()
     keys = episodes.new_keys(len(prompts), n)
     _, failed = episodes.reset(keys, columns or [{"secret": 7}] * len(prompts))
-    options = SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=2,
-                              stop_token_ids=(), seed=0, greedy=False)
-    episodes.run(prompts, [11] * len(prompts), keys, options, n, exclusive=exclusive,
-                 sink=events, failed=failed)
+    options = SamplingOptions(temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=2,
+                              stop_token_ids=stop_token_ids, seed=0, greedy=False)
+    seeds = [11] * len(prompts) if seeds is None else seeds
+    episodes.run(prompts, seeds, keys, options, n, exclusive=exclusive,
+                 sink=events, failed=failed, stop_strings=stop_strings)
     groups = {}
     while (event := events.get(timeout=60)) is not None:
         if isinstance(event, BaseException):
@@ -156,3 +169,84 @@ def test_a_failed_reset_ends_its_episode_after_one_turn(tokenizer):
         assert t.episode_end == "reset_failed" and len(t.turns) == 1
     finally:
         episodes.close()
+
+
+def test_a_turn_ends_at_a_stop_string_and_the_episode_goes_on(tokenizer):
+    """``sampling.stop_strings`` end a turn as they end a single-turn completion: the turn
+    "!9" (no stop token: its budget ran out) is cut after "!", a call, and the episode goes
+    on; without the stop string the same turn ends the episode (``length``)."""
+    engine = ScriptedEngine(tokenizer, call_end="9")
+    episodes = make(tokenizer, engine)
+    try:
+        prompt = tokenizer.encode("?", add_special_tokens=False)
+        (t, _), = run(episodes, [prompt], stop_strings=["!"]).values()
+        bang = tokenizer.convert_tokens_to_ids("!")
+        assert t.token_ids[:1] == [bang] and t.turns[0].generated == 1
+        assert t.episode_end == "answer" and t.turns[0].tool_calls[0]["status"] == "ok"
+        assert t.logprobs[:1] == [-0.5] and t.model_token_mask[:2] == [True, False]
+        (t, _), = run(episodes, [prompt]).values()
+        assert t.episode_end == "length" and t.token_ids == [bang, engine.call_end]
+    finally:
+        episodes.close()
+
+
+def test_a_trajectory_records_the_weight_version_of_each_turn(tokenizer):
+    """With a push between two turns (in-flight updates, async runs), each turn records the
+    version it was generated with and the trajectory all of them, oldest first: what the
+    trainer's staleness check and importance ratios read."""
+    engine = ScriptedEngine(tokenizer, new_version_per_request=True)
+    episodes = make(tokenizer, engine)
+    try:
+        prompt = tokenizer.encode("?", add_special_tokens=False)
+        for t in run(episodes, [prompt], n=1, exclusive=False)[0]:
+            assert [turn.weight_versions for turn in t.turns] == [(3,), (4,)]
+            assert t.weight_versions == (3, 4)
+    finally:
+        episodes.close()
+
+
+def test_tool_latency_never_changes_a_reproducible_requests_trajectories(tools_model,
+                                                                        tokenizer):
+    """The real engine and a random model: the same reproducible episodes with no tool delay
+    and with delays that reorder the tools' returns give bitwise the same trajectories (turns
+    are keyed by episode and turn, and lock-step turns decode together whatever the timing)."""
+    import jax
+    from flax import nnx
+
+    from sampler_service.engine import GenerationEngine
+    from splitrl.config import MeshConfig
+    from splitrl.mesh import build_mesh
+    from splitrl.models import from_pretrained
+
+    model = from_pretrained(tools_model)
+    graphdef, state = nnx.split(model)
+    mesh = build_mesh(MeshConfig(axes={"tensor": 1}), jax.devices()[:1])
+    engine = GenerationEngine(model.config, graphdef, mesh=mesh, max_batch_size=64,
+                              max_sequence_length=32, eos_token_ids=eos_token_ids(tokenizer),
+                              pad_token_id=0, weights=lambda: (0, state))
+    # A random model starts a turn with "!" (a call) by chance: at a high temperature (nearly
+    # uniform draws), with every other token ending the turn, about one turn in 24 is a call.
+    bang = tokenizer.convert_tokens_to_ids("!")
+    stops = tuple(t for t in range(model.config.vocab_size) if t != bang)
+    prompt = tokenizer.encode("?", add_special_tokens=False)
+    columns = [{"secret": i} for i in range(16)]
+    runs = []
+    try:
+        for latency in (0.0, 0.05):
+            episodes = Episodes(EnvironmentConfig(
+                name="tests.splitrl.environment_fixtures:DelayedLookup",
+                options={"latency_s": latency}, workers=4, max_turns=3), tokenizer, engine,
+                32, stop_token_ids=eos_token_ids(tokenizer))
+            try:
+                runs.append(run(episodes, [prompt] * 16, n=8, columns=columns,
+                                stop_token_ids=stops, temperature=30.0,
+                                seeds=list(range(16))))
+            finally:
+                episodes.close()
+    finally:
+        engine.close()
+    quick, slow = ([(t.token_ids, t.logprobs, t.model_token_mask, t.episode_end)
+                    for i in sorted(r) for t in r[i]] for r in runs)
+    assert quick == slow
+    calls = sum(len(turn.tool_calls) for ts in runs[0].values() for t in ts for turn in t.turns)
+    assert calls >= 2  # the delays had calls to reorder

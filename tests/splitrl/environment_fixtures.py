@@ -79,3 +79,20 @@ class Misbehaving:
         signal.signal(signal.SIGALRM, signal.SIG_IGN)
         time.sleep(600)
         return "woke"
+
+
+class DelayedLookup:
+    """`lookup` answering after a delay that differs from episode to episode (``latency_s``
+    times 1 to 3, by the secret), so tool calls return in another order than they were made."""
+
+    def __init__(self, latency_s: float = 0.0):
+        self.latency_s = latency_s
+        self.secret = 0
+
+    def reset(self, **columns) -> None:
+        self.secret = int(columns["secret"])
+
+    def lookup(self) -> str:
+        """The value stored for this episode's key."""
+        time.sleep(self.latency_s * (1 + self.secret % 3))
+        return str(self.secret)
