@@ -1,4 +1,4 @@
-"""The sampler's busy fraction when tools are slow: multi-turn episodes vs single-turn generation.
+"""The sampler's busy fraction while tools run: rows decoding with slow tools vs single-turn.
 
     make demo-tools            # trains the model this uses: runs/demo-tools/export
     HF_HUB_OFFLINE=1 JAX_PLATFORMS=cpu python bench/tool_latency.py [--model DIR]
@@ -10,16 +10,29 @@ processes as a sampler runs them. ``--prompts`` x ``--group`` episodes go throug
 `GenerationEngine` of ``--rows`` decode rows and the sampler's episode driver
 (`sampler_service.episodes.Episodes`), exactly as a Rollout runs them.
 
-The reference is single-turn generation of the same number of model tokens by the same engine
-settings: the same prompts and group, each completion as long as an episode's model tokens on
-average (no stop token, so every completion has exactly that length).
+What is measured is whether a trajectory waiting on its tool holds the batch. A sampler serves
+more than one request (an async run keeps several Rollouts in flight), so the engine is kept
+busy with single-turn requests (``--length`` tokens each, no stop token) submitted by a feeder
+thread, and the episodes run among them. Over the window from the episodes' start to their
+end, with the batch already full:
 
-    busy fraction = model tokens per second with tools / model tokens per second single-turn
+    busy fraction = tokens decoded per second in that window (the single-turn requests' and
+                    the episodes' model tokens) / tokens decoded per second by the same
+                    single-turn requests alone, over a window of the same token count
 
-1.0 means the tool waits cost the batch nothing: while some episodes wait on their tools, the
-others' turns fill the rows. Each measurement runs once to compile (not timed), then
-``--repeats`` timed runs, best kept. Timings on a shared machine depend on its load: the load
-average is printed beside them.
+1.0 means the tool waits and the trajectories' returns cost the batch nothing: while episodes
+wait on their tools their rows decode other work, and returning trajectories join without
+stalling it (no compile, a small prefill). A trajectory that kept its row while waiting, or a
+return that compiled a program, would show as a lower fraction. (Episodes alone cannot keep
+the rows busy here: their turns are two tokens and the tool workers, not the sampler, set how
+fast they go; the line "episodes alone" shows that bound.)
+
+Returning trajectories are admitted in bucketed shapes (packed prefill rows, prompts per
+admission, cache rows): a finite set of programs, compiled the first time each shape occurs.
+The runs with episodes are repeated untimed until one compiles nothing new (the steady state
+of a sampler that has run a while), then ``--repeats`` timed runs, best kept; the warm-up runs
+it took and the programs compiled during the timed runs are printed. Timings on a shared
+machine depend on its load: the load average is printed beside them.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import argparse
 import os
 import queue
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,8 +72,38 @@ def parse_args():
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group", type=int, default=8, help="episodes per prompt")
     ap.add_argument("--workers", type=int, default=16, help="tool worker processes")
+    ap.add_argument("--length", type=int, default=24,
+                    help="tokens of each single-turn completion")
     ap.add_argument("--repeats", type=int, default=2)
     return ap.parse_args()
+
+
+class Feeder:
+    """Keeps the engine's queue holding single-turn requests (8 prompts x 8 completions each,
+    at most two waiting) until stopped: the rest of a busy sampler's work."""
+
+    def __init__(self, engine, prompt, options):
+        self.engine, self.prompt, self.options = engine, prompt, options
+        self._stop = threading.Event()
+        self._requests: list = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._requests = [r for r in self._requests if not r.finished]
+            if len(self._requests) < 2 + self.engine.max_batch_size // 64:
+                self._requests.append(self.engine.submit([self.prompt] * 8, self.options, 8))
+            else:
+                time.sleep(0.002)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for request in self._requests:
+            request.cancel()
+        while self.engine.stats["active_sequences"] or self.engine.stats["queued_sequences"]:
+            time.sleep(0.01)
 
 
 def main() -> int:
@@ -85,82 +129,124 @@ def main() -> int:
     model = from_pretrained(model_dir)
     graphdef, state = nnx.split(model)
     mesh = build_mesh(MeshConfig(axes={"tensor": 1}), jax.devices()[:1])
-    stops = eos_token_ids(tokenizer)
-
-    def engine(eos):
-        eng = GenerationEngine(model.config, graphdef, mesh=mesh, max_batch_size=args.rows,
-                               max_sequence_length=32, eos_token_ids=eos,
-                               pad_token_id=tokenizer.pad_token_id or 0,
-                               weights=lambda: (0, placed))
-        return eng
-
-    single_engine = engine(())  # the reference's: no stop token
-    placed = single_engine.place_state(state)
+    stops = tuple(eos_token_ids(tokenizer))
+    # No engine-wide stop token: the episodes' turns stop on the model's end of turn
+    # (their options), the single-turn requests run their whole length.
+    engine = GenerationEngine(model.config, graphdef, mesh=mesh, max_batch_size=args.rows,
+                              max_sequence_length=32, eos_token_ids=(),
+                              pad_token_id=tokenizer.pad_token_id or 0,
+                              weights=lambda: (0, placed))
+    placed = engine.place_state(state)
 
     prompt = tokenizer.encode("?", add_special_tokens=False)
     prompts = [prompt] * args.prompts
-    options = SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=2,
-                              stop_token_ids=(), seed=0, greedy=False)
+    turn = SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=2,
+                           stop_token_ids=stops, seed=0, greedy=False)
+    single = SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.length,
+                             stop_token_ids=(), seed=0, greedy=False)
     columns = [{"secret": i % 10} for i in range(args.prompts)]
 
-    def episodes_run(episodes) -> tuple[float, int, float]:
-        """(seconds, model tokens, tool calls per episode) of one run."""
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        keys = episodes.new_keys(len(prompts), args.group)
-        start = time.perf_counter()
-        _, failed = episodes.reset(keys, columns)
-        episodes.run(prompts, list(range(len(prompts))), keys, options, args.group,
-                     exclusive=False, sink=events, failed=failed)
-        tokens = calls = 0
-        while (event := events.get()) is not None:
-            if isinstance(event, BaseException):
-                raise event
-            for t in event.sequences:
-                tokens += sum(t.model_token_mask)
-                calls += sum(len(turn.tool_calls) for turn in t.turns)
-        return time.perf_counter() - start, tokens, calls / (len(prompts) * args.group)
+    def counters() -> tuple[float, int, int, int]:
+        st = engine.stats
+        return time.perf_counter(), st["tokens_generated"], st["live_row_steps"], st["row_steps"]
 
-    def single_run(eng, length: int) -> tuple[float, int]:
-        opts = SamplingOptions(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=length,
-                               stop_token_ids=(), seed=0, greedy=False)
-        start = time.perf_counter()
-        out = eng.submit(prompts, opts, args.group).result()
-        return time.perf_counter() - start, sum(len(s.token_ids) for g in out for s in g)
+    def window(start, end) -> dict:
+        seconds, tokens = end[0] - start[0], end[1] - start[1]
+        rows = end[3] - start[3]
+        return {"seconds": seconds, "tokens": tokens, "rate": tokens / seconds,
+                "occupancy": (end[2] - start[2]) / rows if rows else 0.0}
+
+    def batch_full() -> None:
+        while engine.stats["active_sequences"] < engine.max_batch_size:
+            time.sleep(0.005)
+
+    def episodes_run(episodes, feeder: bool) -> dict:
+        """One run of the episodes, among single-turn requests when ``feeder``."""
+        background = Feeder(engine, prompt, single) if feeder else None
+        try:
+            if background is not None:
+                batch_full()
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            keys = episodes.new_keys(len(prompts), args.group)
+            start = counters()
+            _, failed = episodes.reset(keys, columns)
+            episodes.run(prompts, list(range(len(prompts))), keys, turn, args.group,
+                         exclusive=False, sink=events, failed=failed)
+            model_tokens = calls = 0
+            while (event := events.get()) is not None:
+                if isinstance(event, BaseException):
+                    raise event
+                for t in event.sequences:
+                    model_tokens += sum(t.model_token_mask)
+                    calls += sum(len(x.tool_calls) for x in t.turns)
+            out = window(start, counters())
+        finally:
+            if background is not None:
+                background.stop()
+        out.update(model_tokens=model_tokens, calls=calls)
+        return out
+
+    def single_run(tokens: int) -> dict:
+        """Single-turn requests alone, over a window of ``tokens`` decoded tokens."""
+        background = Feeder(engine, prompt, single)
+        try:
+            batch_full()
+            start = counters()
+            while engine.stats["tokens_generated"] - start[1] < tokens:
+                time.sleep(0.002)
+            return window(start, counters())
+        finally:
+            background.stop()
+
+    def warm_up(episodes, most: int = 8) -> int:
+        """Runs of the episodes among single-turn requests until one compiles nothing new
+        (at most ``most``): the steady state of a sampler that has run a while, whose bucketed
+        shapes are all compiled. Returns the runs it took."""
+        for runs in range(1, most + 1):
+            before = engine.stats["compiled_programs"]
+            episodes_run(episodes, feeder=True)
+            if engine.stats["compiled_programs"] == before:
+                return runs
+        return most
+
+    def best(runs: list[dict]) -> dict:
+        return max(runs, key=lambda r: r["rate"])
 
     print(f"model {model_dir}; {args.prompts} prompts x {args.group} episodes, {args.rows} "
-          f"decode rows, {args.workers} tool workers; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
-    for latency in [float(x) for x in args.latencies.split(",") if x]:
-        tool_engine = engine(stops)
-        cfg = EnvironmentConfig(name="tool_latency:SlowLookup",
-                                options={"latency_s": latency}, workers=args.workers,
-                                max_turns=3, tool_timeout_s=max(10.0, 4 * latency))
-        episodes = Episodes(cfg, tokenizer, tool_engine, 32, stop_token_ids=stops)
-        try:
-            episodes_run(episodes)  # compiles
-            best = min((episodes_run(episodes) for _ in range(args.repeats)),
-                       key=lambda r: r[0] / max(r[1], 1))
-            stats = tool_engine.stats
-        finally:
-            episodes.close()
-            tool_engine.close()
-        print(f"  engine: {stats['segments']} segments, {stats['prefills']} prefills, "
-              f"prefill {stats['prefill_seconds']:.2f} s, decode {stats['decode_seconds']:.2f} s, "
-              f"{stats['compiled_programs']} programs", flush=True)
-        seconds, tokens, calls = best
-        length = max(1, round(tokens / (len(prompts) * args.group)))
-        single_run(single_engine, length)  # compiles
-        ref_seconds, ref_tokens = min((single_run(single_engine, length)
-                                       for _ in range(args.repeats)),
-                                      key=lambda r: r[0] / max(r[1], 1))
-        with_tools, single = tokens / seconds, ref_tokens / ref_seconds
-        print(f"latency {latency * 1000:.0f} ms: episodes {tokens} model tokens in "
-              f"{seconds:.2f} s ({with_tools:.1f} tok/s, {calls:.2f} tool calls per episode); "
-              f"single-turn {ref_tokens} tokens ({length} per completion) in {ref_seconds:.2f} s "
-              f"({single:.1f} tok/s)", flush=True)
-        print(f"tool-latency busy fraction: {with_tools / single:.2f} "
-              f"(tool latency {latency * 1000:.0f} ms)", flush=True)
-    single_engine.close()
+          f"decode rows, {args.workers} tool workers, single-turn completions of "
+          f"{args.length} tokens; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores", flush=True)
+    try:
+        for latency in [float(x) for x in args.latencies.split(",") if x]:
+            cfg = EnvironmentConfig(name="tool_latency:SlowLookup",
+                                    options={"latency_s": latency}, workers=args.workers,
+                                    max_turns=3, tool_timeout_s=max(10.0, 4 * latency))
+            episodes = Episodes(cfg, tokenizer, engine, 32, stop_token_ids=stops)
+            try:
+                alone = episodes_run(episodes, feeder=False)
+                single_run(alone["tokens"])  # compiles
+                warm_runs = warm_up(episodes)
+                programs = engine.stats["compiled_programs"]
+                mixed = best([episodes_run(episodes, feeder=True) for _ in range(args.repeats)])
+                ref = best([single_run(mixed["tokens"]) for _ in range(args.repeats)])
+                compiled = engine.stats["compiled_programs"] - programs
+            finally:
+                episodes.close()
+            floor = alone["calls"] * latency / args.workers
+            print(f"latency {latency * 1000:.0f} ms: episodes alone {alone['model_tokens']} "
+                  f"model tokens in {alone['seconds']:.2f} s ({alone['calls']} tool calls; "
+                  f"the tool workers alone need {floor:.2f} s)", flush=True)
+            print(f"  with single-turn requests: {mixed['tokens']} tokens "
+                  f"({mixed['model_tokens']} the episodes') in {mixed['seconds']:.2f} s "
+                  f"({mixed['rate']:.0f} tok/s, rows decoding {mixed['occupancy']:.2f}); "
+                  f"single-turn alone {ref['tokens']} tokens in {ref['seconds']:.2f} s "
+                  f"({ref['rate']:.0f} tok/s, rows decoding {ref['occupancy']:.2f}); "
+                  f"{warm_runs} warm-up runs, {compiled} programs compiled in the timed "
+                  "runs", flush=True)
+            print(f"tool-latency busy fraction: {mixed['rate'] / ref['rate']:.2f} "
+                  f"(tool latency {latency * 1000:.0f} ms)", flush=True)
+    finally:
+        engine.close()
     return 0
 
 
