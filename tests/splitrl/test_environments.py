@@ -20,6 +20,9 @@ from splitrl.environments import (
 )
 from splitrl.environments.api import BadArguments, bind_arguments
 from splitrl.environments.builtin import evaluate_arithmetic, run_python
+from splitrl.environments.render import ObservationRenderer
+from splitrl.tokenizer import load_tokenizer, train_bpe_tokenizer
+from tests.splitrl.chat_templates import LLAMA31, LLAMA31_SPECIALS, QWEN25, QWEN25_SPECIALS
 
 FIX = "tests.splitrl.environment_fixtures:"
 
@@ -165,3 +168,55 @@ def test_lookup_pays_its_call_reward_for_exactly_one_call():
     assert env.reward == 0.0
     assert env.lookup() == "7" and env.reward == 0.2
     assert env.lookup() == "7" and env.reward == 0.0  # calling again instead of answering
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    texts = ["lookup the value", "the answer is 7", '{"name": "lookup", "arguments": {}}'] * 20
+    return train_bpe_tokenizer(texts, tmp_path_factory.mktemp("bpe"), vocab_size=300)
+
+
+def _with_template(path, template: str, specials: tuple[str, ...]):
+    tokenizer = load_tokenizer(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+LOOKUP_SCHEMA = {"type": "function", "function": {
+    "name": "lookup", "description": "The value.", "parameters": {"type": "object",
+                                                                  "properties": {}}}}
+
+
+def test_qwen25_observation_is_one_user_turn_of_tool_responses(bpe_dir):
+    tokenizer = _with_template(bpe_dir, QWEN25, QWEN25_SPECIALS)
+    assert detect_format(tokenizer.chat_template) == "qwen"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    renderer = ObservationRenderer(tokenizer, [LOOKUP_SCHEMA], [im_end])
+    text = renderer.text([("lookup", "7"), ("lookup", "8")])
+    # the turn stopped at <|im_end|>: the newline the template writes after it comes first
+    assert text == ("\n<|im_start|>user\n<tool_response>\n7\n</tool_response>\n<tool_response>"
+                    "\n8\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    ids = renderer.ids([("lookup", "7")])
+    assert ids == tokenizer.encode(renderer.text([("lookup", "7")]), add_special_tokens=False)
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 2
+    assert renderer.text([("lookup", "7")], stopped=False).startswith("<|im_end|>\n")
+
+
+def test_llama31_observation_is_an_ipython_turn_per_result(bpe_dir):
+    tokenizer = _with_template(bpe_dir, LLAMA31, LLAMA31_SPECIALS)
+    assert detect_format(tokenizer.chat_template) == "llama3"
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    renderer = ObservationRenderer(tokenizer, [LOOKUP_SCHEMA], [eot])
+    assert renderer.text([("lookup", "7"), ("lookup", "8")]) == (
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"7"<|eot_id|>'
+        '<|start_header_id|>ipython<|end_header_id|>\n\n"8"<|eot_id|>'
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    ids = renderer.ids([("lookup", "7")])
+    header = [tokenizer.convert_tokens_to_ids(t) for t in ("<|start_header_id|>",
+                                                           "<|end_header_id|>")]
+    assert ids[:1] == header[:1] and ids.count(header[1]) == 2 and ids.count(eot) == 1
+    assert renderer.text([("lookup", "7")], stopped=False).startswith("<|eot_id|>")
