@@ -40,7 +40,8 @@ class Policy:
         self.hosts = hosts
         self.mesh = build_mesh(cfg.trainer.mesh)
         model = from_pretrained(cfg.model.path, dtype=cfg.model.dtype)
-        self.learner = Learner.from_config(model, cfg, self.mesh)
+        self.learner = Learner.from_config(model, cfg, self.mesh,
+                                           first_runs=hosts.first_runs)
         log.info("learner state", extra={  # what LoRA saves shows here (bench/lora_memory.py)
             f"{role}_mb": round(n / 2**20, 2) for role, n in self.learner.state_bytes().items()})
         self.checkpointer = Checkpointer.from_config(cfg.trainer.checkpoint, cfg.trainer.run_dir)

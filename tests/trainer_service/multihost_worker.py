@@ -37,10 +37,10 @@ def batches():
     return [first, second]
 
 
-def learner_on(mesh):
+def learner_on(mesh, first_runs=None):
     from trainer_helpers import make_learner
 
-    return make_learner(mesh, micro_batch_size=4)
+    return make_learner(mesh, micro_batch_size=4, first_runs=first_runs)
 
 
 class _Recording:
@@ -64,8 +64,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path) -> None:
 
     cfg = load_config(None, [f"trainer.distributed.num_processes={num_processes}",
                              f"trainer.distributed.process_id={process_id}",
-                             f"trainer.distributed.coordinator_address=127.0.0.1:{port}",
-                             "trainer.distributed.initialization_timeout_s=60"])
+                             f"trainer.distributed.coordinator_address=127.0.0.1:{port}"])
     maybe_initialize(cfg)
 
     import jax
@@ -77,7 +76,7 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path) -> None:
     assert jax.process_count() == num_processes and len(jax.devices()) == DEVICES
     hosts = HostGroup.current()
     mesh = mesh_of(DEVICES)
-    learner = _Recording(learner_on(mesh))
+    learner = _Recording(learner_on(mesh, hosts.first_runs))
     checkpointer = Checkpointer(out_dir / "checkpoints", every=100, keep=2, async_save=True)
     pushed = None
     if hosts.is_leader:
@@ -95,11 +94,11 @@ def main(process_id: int, num_processes: int, port: int, out_dir: Path) -> None:
     checkpointer.close()
 
     # Resume: every process restores onto a fresh learner on the global mesh.
-    fresh = learner_on(mesh)
+    fresh = learner_on(mesh, hosts.first_runs)
     with Checkpointer(out_dir / "checkpoints", every=100, keep=2) as ckpt:
         restored = ckpt.restore(fresh.abstract_train_state())
     fresh.load_train_state(restored.state, restored.weight_version)
-    restored_params = gather_params(fresh.params)
+    restored_params = gather_params(fresh.params, first_runs=hosts.first_runs)
 
     record = {
         "ok": ok,

@@ -58,6 +58,7 @@ from splitrl.models import (
 from splitrl.models import lora as lora_lib
 from splitrl.models.lora import LoraSpec
 from trainer_service.learning import losses
+from trainer_service.learning.first_runs import FirstRuns
 from trainer_service.learning.optim import make_optimizer
 
 Params = dict[str, jax.Array]
@@ -133,6 +134,7 @@ class Learner:
         base_fingerprint: str | None = None,
         remat: str = "none",
         attention: str = "auto",
+        first_runs: FirstRuns | None = None,
     ):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0 for training logprobs, got {temperature}")
@@ -148,6 +150,9 @@ class Learner:
         self.temperature = temperature
         self.chunk_size = logprob_chunk_size
         self.loss_settings = losses.loss_settings(algorithm, generation_budget)
+        # How the train step's programs are called: straight through with one process; on a
+        # multi-host trainer each one's first run waits until every process has compiled it.
+        self.first_runs = first_runs or FirstRuns()
         self.tx, self.schedule = make_optimizer(optimizer, updates_per_step=epochs_per_batch)
         # The version of `params`: updates applied so far. It is the one count of updates: the
         # trainer's weight version reads it, the learning-rate schedule and the LoRA dropout
@@ -214,7 +219,8 @@ class Learner:
         self._settings = tuple(sorted(self.loss_settings.items()))
 
     @classmethod
-    def from_config(cls, model: CausalLM, cfg, mesh: Mesh) -> Learner:
+    def from_config(cls, model: CausalLM, cfg, mesh: Mesh,
+                    first_runs: FirstRuns | None = None) -> Learner:
         """A learner for a whole run's `splitrl.config.Config` on the trainer's `mesh` (with
         adapters when `model.lora` is set: fresh, or the PEFT adapter at `model.lora.path`)."""
         lora = adapters = fingerprint = None
@@ -244,6 +250,7 @@ class Learner:
             base_fingerprint=fingerprint,
             remat=cfg.model.remat,
             attention=cfg.model.attention,
+            first_runs=first_runs,
         )
 
     # ------------------------------------------------------------------ the algorithm
@@ -267,8 +274,8 @@ class Learner:
             lr = float(self.schedule(self._updates()))
             grads, old, loss_metrics = self._accumulate_gradients(micro_batches, old, ref, counts,
                                                                   epoch)
-            self.params, self.opt_state, grad_norm = _apply_update(
-                self.tx, self.params, self.opt_state, grads
+            self.params, self.opt_state, grad_norm = self.first_runs.call(
+                _apply_update, 1, self.tx, self.params, self.opt_state, grads
             )
             per_epoch.append({**loss_metrics, "grad_norm": float(grad_norm), "lr": lr})
         self.version += 1
@@ -303,8 +310,9 @@ class Learner:
         old = [None] * len(micro_batches) if first_epoch else old
         for i, mb in enumerate(micro_batches):
             with self._on_mesh():
-                grads, logp, m = _grad_step(
-                    self._spec, self._settings, grads, self.base_params, self.params, mb,
+                grads, logp, m = self.first_runs.call(
+                    _grad_step, 2, self._spec, self._settings, grads, self.base_params,
+                    self.params, mb,
                     _placeholder(mb) if first_epoch else old[i], first_epoch, ref[i], counts,
                     self._dropout_key(epoch, i),
                 )
@@ -405,8 +413,9 @@ class Learner:
             return None
         with self._on_mesh():
             if self.lora is not None:  # the base model, adapters off
-                return _forward(self._spec._replace(lora=None), None, self.base_params, mb)[0]
-            return _forward(self._spec, None, self.ref_params, mb)[0]
+                return self.first_runs.call(_forward, 1, self._spec._replace(lora=None), None,
+                                            self.base_params, mb)[0]
+            return self.first_runs.call(_forward, 1, self._spec, None, self.ref_params, mb)[0]
 
     def _micro_batches(self, batch: TrainBatch, completion_mask) -> list[dict[str, jax.Array]]:
         """Split into micro-batches of equal size (the last padded with fully masked rows, so

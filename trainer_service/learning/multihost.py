@@ -19,11 +19,14 @@ collective: every process must make the same call, in the same order, on the sam
     checkpointer.save(...)
     hosts.stop()               -- stop ------------>   close the checkpointer, exit 0 (1: failed)
 
+Each program's first run waits until every process has compiled it (``first_runs.py``: Gloo
+gives a process 30 s to join a new device group, and compiling can take longer).
+
 Control messages are small JSON values in the key-value store of the ``jax.distributed``
 coordination service (hosted by process 0): a follower waits for message n with a blocking get
 that costs nothing while the leader waits for rollouts or evaluates, so no device collective
-is left pending for minutes. The batch goes device to device (``broadcast_one_to_all``), its
-shapes announced in the ``train`` message first (T varies with the bucket); followers get it
+is left pending for minutes. The batch goes device to device (a sum over the processes' rows),
+its shapes announced in the ``train`` message first (T varies with the bucket); followers get it
 bitwise. Orbax is multi-process aware: every process writes its own shards, and the JSON
 metadata (step, version, the data cursor) is written by process 0 only, so the cursor on disk
 is the leader's.
@@ -52,6 +55,7 @@ indexed Job restarts all of them, and they resume from the last checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -59,15 +63,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from trainer_service.learning.first_runs import FirstRuns
 from trainer_service.learning.learner import TrainBatch
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "splitrl/trainer/control/"
+BARRIER_PREFIX = "splitrl/trainer/barrier/"
 OPS = ("train", "gather", "checkpoint", "stop")
 _FIELDS = [f.name for f in dataclasses.fields(TrainBatch)]
 
@@ -107,7 +114,10 @@ class HostGroup:
         self.client = client
         self.poll_s = poll_s
         self._seq = 0
+        self._barriers = 0  # barriers passed: a process's n-th barrier meets the others' n-th
         self._stopped = False
+        # The programs every process runs together: each first run waits for all to compile.
+        self.first_runs = FirstRuns(self.barrier if self.multi else None)
         # The leader's host copy of the params from the last gather, and its weight version.
         self.gathered: tuple[dict[str, np.ndarray], int] | None = None
 
@@ -139,8 +149,7 @@ class HostGroup:
                       if getattr(batch, name) is not None}
             self._send("train", batch={k: [v.dtype.name, list(v.shape)]
                                        for k, v in arrays.items()})
-            multihost_utils.broadcast_one_to_all(
-                {k: _wire(v) for k, v in arrays.items()}, is_source=True)
+            self._broadcast({k: _wire(v) for k, v in arrays.items()}, is_source=True)
         return batch
 
     def params_for_push(self, params: Mapping[str, jax.Array], version: int) -> Mapping:
@@ -149,7 +158,7 @@ class HostGroup:
         if not self.multi:
             return params
         self._send("gather", version=version)
-        host = gather_params(params)
+        host = gather_params(params, first_runs=self.first_runs)
         self.gathered = (host, version)
         return host
 
@@ -178,30 +187,67 @@ class HostGroup:
 
     def receive(self) -> Message:
         """The leader's next control message (waits as long as the leader needs)."""
-        key = KEY_PREFIX + str(self._seq)
-        waited = 0.0
-        while True:
-            try:
-                text = self.client.blocking_key_value_get(key, int(self.poll_s * 1000))
-                break
-            except Exception as e:  # the client raises on its deadline; anything else is fatal
-                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                    raise
-                waited += self.poll_s
-                log.info("waiting for the leader", extra={"message": self._seq,
-                                                          "waited_s": round(waited)})
+        text = self._wait_for(KEY_PREFIX + str(self._seq), "the leader",
+                              {"message": self._seq})
         message = Message.from_json(text)
         if message.seq != self._seq:
             raise RuntimeError(f"control message {self._seq}: got seq {message.seq}")
         self._seq += 1
         return message
 
+    def _wait_for(self, key: str, whom: str, context: dict) -> str:
+        """The value of ``key`` in the coordination service, once someone sets it: waits as
+        long as it takes (a blocking get per ``poll_s``, a log line after each)."""
+        waited = 0.0
+        while True:
+            try:
+                return self.client.blocking_key_value_get(key, int(self.poll_s * 1000))
+            except Exception as e:  # the client raises on its deadline; anything else is fatal
+                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+                    raise
+                waited += self.poll_s
+                log.info(f"waiting for {whom}", extra={**context, "waited_s": round(waited)})
+
+    # ------------------------------------------------------------------ every process
+
+    def barrier(self, name: str) -> None:
+        """Wait until every process has reached this barrier (each process's n-th barrier
+        meets the others' n-th; ``name`` says where, and must agree): as long as the slowest
+        process needs, e.g. to compile a program (``first_runs``)."""
+        if not self.multi:
+            return
+        n, self._barriers = self._barriers, self._barriers + 1
+        key = f"{BARRIER_PREFIX}{n}/"
+        self.client.key_value_set(key + str(self.index), name)
+        for other in range(self.count):
+            if other == self.index:
+                continue
+            theirs = self._wait_for(key + str(other), f"process {other}",
+                                    {"barrier": n, "at": name})
+            if theirs != name:
+                raise RuntimeError(f"barrier {n}: process {other} is at {theirs!r}, process "
+                                   f"{self.index} at {name!r}: the processes no longer run the "
+                                   f"same programs")
+
+    def _broadcast(self, arrays: dict[str, np.ndarray], is_source: bool) -> dict:
+        """The leader's ``arrays`` on every process (followers pass zeros of the same shapes):
+        each process's arrays are its row of a global array, summed over the rows on device,
+        as ``jax.experimental.multihost_utils.broadcast_one_to_all`` does, with the first run
+        of each set of shapes lined up by ``first_runs``."""
+        mesh = _process_mesh()
+        rows = {k: multihost_utils.host_local_array_to_global_array(
+                    np.expand_dims(v if is_source else np.zeros_like(v), 0), mesh,
+                    PartitionSpec("processes"))
+                for k, v in arrays.items()}
+        summed = self.first_runs.call(_sum_rows(mesh), 0, rows)
+        return {k: np.asarray(v.addressable_data(0)) for k, v in summed.items()}
+
     def receive_batch(self, message: Message) -> TrainBatch:
         """The batch the leader broadcasts after a ``train`` message."""
         assert message.batch is not None, "a train message carries the batch's shapes"
         spec = {k: (np.dtype(dtype), tuple(shape)) for k, (dtype, shape) in message.batch.items()}
         zeros = {k: _wire(np.zeros(shape, dtype)) for k, (dtype, shape) in spec.items()}
-        arrays = multihost_utils.broadcast_one_to_all(zeros, is_source=False)
+        arrays = self._broadcast(zeros, is_source=False)
         return TrainBatch(**{k: np.asarray(arrays[k]).astype(spec[k][0]) for k in spec})
 
 
@@ -219,7 +265,7 @@ def follow(hosts: HostGroup, learner, checkpointer, on_message=None) -> bool:
         if message.op == "train":
             learner.train_step(hosts.receive_batch(message))
         elif message.op == "gather":
-            gather_params(learner.params)
+            gather_params(learner.params, first_runs=hosts.first_runs)
         elif message.op == "checkpoint":
             checkpointer.save(message.step, learner.train_state(),
                               weight_version=message.version, force=True)
@@ -234,17 +280,18 @@ def follow(hosts: HostGroup, learner, checkpointer, on_message=None) -> bool:
 GATHER_BUCKET_BYTES = 256 * 2**20
 
 
-def gather_params(params: Mapping[str, jax.Array],
-                  bucket_bytes: int = GATHER_BUCKET_BYTES) -> dict[str, np.ndarray]:
+def gather_params(params: Mapping[str, jax.Array], bucket_bytes: int = GATHER_BUCKET_BYTES,
+                  first_runs: FirstRuns | None = None) -> dict[str, np.ndarray]:
     """Every parameter whole on the host of every process (a collective: every process calls
     it with the same params). Tensors go in buckets of about ``bucket_bytes``, in name order:
     one compiled all-gather per bucket (the same buckets every push, so compiled once), and at
-    most one bucket replicated on each device at a time."""
+    most one bucket replicated on each device at a time. On a multi-host trainer pass the
+    group's ``first_runs``: a bucket's first gather waits until every process compiled it."""
     out: dict[str, np.ndarray] = {}
+    first_runs = first_runs or FirstRuns()
     for bucket in _buckets(params, bucket_bytes):
-        replicated = {name: NamedSharding(_mesh_of(params[name]), PartitionSpec())
-                      for name in bucket}
-        whole = jax.jit(_identity, out_shardings=replicated)({n: params[n] for n in bucket})
+        replicate = _replicate(_mesh_of(params[bucket[0]]))
+        whole = first_runs.call(replicate, 0, {n: params[n] for n in bucket})
         out.update({name: np.asarray(whole[name].addressable_data(0)) for name in bucket})
     return out
 
@@ -270,6 +317,30 @@ def _mesh_of(array: jax.Array) -> Mesh | AbstractMesh:
 
 def _identity(tree):
     return tree
+
+
+@functools.cache
+def _replicate(mesh: Mesh | AbstractMesh):
+    """A jitted identity onto the replicated layout of ``mesh``: one function per mesh, so its
+    compiled programs are found again (and ``FirstRuns`` knows them)."""
+    return jax.jit(_identity, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+@functools.cache
+def _process_mesh() -> Mesh:
+    """Every device of the runtime, a row per process."""
+    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+    return Mesh(devices, ("processes", "local_devices"))
+
+
+def _sum_over_rows(tree):
+    return jax.tree.map(lambda x: jnp.sum(x, axis=0), tree)
+
+
+@functools.cache
+def _sum_rows(mesh: Mesh):
+    """Sums each array over its first axis (a row per process), the result replicated."""
+    return jax.jit(_sum_over_rows, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def host_model(learner, params: Mapping[str, np.ndarray | jax.Array], base_path=None):
