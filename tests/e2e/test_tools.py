@@ -4,10 +4,11 @@ demo-tools` runs), with the tools in isolated worker processes of each sampler.
 
 - A random tiny model learns to call the tool from scratch: the answer is a digit only the tool
   reveals, so greedy accuracy can rise from ~0 only through tool calls (slow).
-- Two synchronous runs of the same config and seed are bitwise equal, tool calls and all (a
-  few steps; slow like tests/e2e/test_reproducible.py: the fast suite's variant is the
+- Two synchronous runs of the same config and seed, one with two samplers and one with one,
+  are bitwise equal, tool calls and all (a few steps; slow: the fast suite's variant is the
   episode and environment tests, tests/sampler_service/test_episodes.py and
-  tests/splitrl/test_environments.py, with real tool workers).
+  tests/splitrl/test_environments.py, with real tool workers). Single-turn runs are checked
+  the same way, across a killed trainer, by tests/e2e/test_faults.py.
 - A sampler killed mid-episode loses nothing (slow)."""
 
 from __future__ import annotations
@@ -72,18 +73,19 @@ def test_a_tiny_model_learns_to_call_the_tool(tools_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_tool_runs_are_bitwise_identical(tools_model, tmp_path):
+def test_two_tool_runs_with_two_samplers_and_one_are_bitwise_identical(tools_model, tmp_path):
     runs = []
-    for name in ("a", "b"):
-        run_dir = tmp_path / name
+    for samplers in (2, 1):
+        run_dir = tmp_path / f"samplers-{samplers}"
         cfg = tools_config(tools_model, run_dir, "trainer.steps=3", "trainer.eval_before=false",
-                           "trainer.eval_after=false", "services.num_samplers=1")
+                           "trainer.eval_after=false", f"services.num_samplers={samplers}")
         assert launch(cfg) == 0
         runs.append((step_metrics(run_dir), export_digest(run_dir)))
     (first, first_weights), (second, second_weights) = runs
     assert len(first) == len(second) == 3
     for a, b in zip(first, second, strict=True):
         assert a == b, f"step {a['step']} differs"
+    assert {"reward/mean", "loss", "grad_norm", "episodes/tool_calls"} <= set(first[0])
     # The random model called the tool now and then (1 in ~150 episodes): those episodes had
     # turns after an observation, and replayed bit for bit too.
     assert sum(r["episodes/tool_calls"] for r in first) > 0
