@@ -178,8 +178,6 @@ class LeaderRun:
         self.audit.record(self.step, trained_from, collected.groups, filtered=collected.filtered,
                           dropped=collected.dropped)
         self._mid_step, self._holding = False, None
-        self._checkpoint()  # a no-op unless a save is due
-        self.checkpointer.check_saved()  # a save that failed in the background stops us now
         tokens = sum(len(c.token_ids) for g in collected.groups for c in g.completions)
         metrics.update({
             "time/wait_rollouts_s": t_rollouts - t0,
@@ -248,7 +246,6 @@ class LeaderRun:
         self.status.tokens_per_s = metrics["throughput/tokens_per_s"]
         self.status.last_metrics = metrics
         self.status.data_cursor = self.data.state_dict()
-        self._write_metrics({"step": self.step, "version": self.version, **metrics})
         if progress is not None:
             progress(self.step, metrics)
         if self.step % self.cfg.trainer.log_every == 0:
@@ -341,6 +338,11 @@ class LeaderRun:
                     if self.stop_event.is_set():
                         break
                     raise
+                # The step's metrics record, then its checkpoint (a trainer killed after the
+                # save has the record of every step the checkpoint holds), then its status.
+                self._write_metrics({"step": self.step, "version": self.version, **metrics})
+                self._checkpoint()  # a no-op unless a save is due
+                self.checkpointer.check_saved()  # a save that failed in the background stops us
                 self._report(metrics, progress, started, start_step)
                 if self.evaluation.due(self.step):
                     self._evaluate("eval")
