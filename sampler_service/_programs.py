@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -38,20 +39,23 @@ from sampler_service import sampling
 from sampler_service.kv_cache import CacheLayout, SlotDecodeAttention
 from splitrl.models import DenseAttention
 
+RowArray = jax.Array | np.ndarray
+
 
 @dataclasses.dataclass(frozen=True)
 class RowParams:
-    """Per-row sampling parameters and identity (device arrays, one entry per row)."""
+    """Per-row sampling parameters and identity, one entry per row (built as host arrays; the
+    programs take them as device arrays)."""
 
-    seeds: jax.Array  # uint32 [R, 2] the prompt's seed
-    sample_ids: jax.Array  # int32 [R] completion index within its prompt
-    versions: jax.Array  # uint32 [R, 2] weight version the row was admitted under
-    temperature: jax.Array  # float32 [R] > 0: of the draws and of the reported logprobs
-    top_k: jax.Array  # int32 [R] (0 = whole vocabulary)
-    top_p: jax.Array  # float32 [R] (1 = off)
-    greedy: jax.Array  # bool [R]
-    max_new: jax.Array  # int32 [R]
-    stop_ids: jax.Array  # int32 [R, S] (-1 = unused)
+    seeds: RowArray  # uint32 [R, 2] the prompt's seed
+    sample_ids: RowArray  # int32 [R] completion index within its prompt
+    versions: RowArray  # uint32 [R, 2] weight version the row was admitted under
+    temperature: RowArray  # float32 [R] > 0: of the draws and of the reported logprobs
+    top_k: RowArray  # int32 [R] (0 = whole vocabulary)
+    top_p: RowArray  # float32 [R] (1 = off)
+    greedy: RowArray  # bool [R]
+    max_new: RowArray  # int32 [R]
+    stop_ids: RowArray  # int32 [R, S] (-1 = unused)
 
 
 jax.tree_util.register_dataclass(RowParams)

@@ -227,7 +227,7 @@ class BulkIntake:
         """CHUNK frames until END: each forwarded, and staged while this sampler's push is
         still good. Raises what breaks the stream itself."""
         # Delta payloads and bytes this sampler does not keep land here (a reused buffer).
-        scratch = memoryview(self.store.staging.take((self.store.max_chunk_bytes,), np.uint8))
+        scratch = self.store.staging.take((self.store.max_chunk_bytes,), np.uint8).data
         while True:
             kind, meta, size, head = stream.recv_head()
             if kind == END and not size:

@@ -270,7 +270,7 @@ class OpenAIFront:
         req = _parse(CompletionRequest, await self._json(request))
         self._check(req)
         reply = await self._generate(completion_prompts(req.prompt), req, req.max_tokens)
-        choices = []
+        choices: list[dict[str, Any]] = []
         for out in reply.outputs:
             for c in out.completions:
                 choices.append({"index": len(choices), "text": c.text, "logprobs": None,

@@ -489,6 +489,7 @@ class RolloutWorker:
                 items.append(item)
             completions.append(done)
         start = time.perf_counter()
+        assert self.reward is not None  # rollout() refuses a request without one
         scores = self.reward.score(items, request.reward_functions)
         score_s = time.perf_counter() - start
         out = []
@@ -563,6 +564,7 @@ class RolloutWorker:
         text = decode(self.tokenizer, ids, skip_special_tokens=skip_special)
         if "\ufffd" not in text:
             return text, None
+        assert self._raw_bytes is not None  # set with the tokenizer that decoded the text
         raw = self._raw_bytes(ids, skip_special)
         if raw is None:
             return text, None

@@ -206,7 +206,8 @@ def seed_words(seeds: Sequence[int]) -> np.ndarray:
     return np.array([[v & 0xFFFFFFFF, v >> 32] for v in values], np.uint32).reshape(-1, 2)
 
 
-def row_keys(seeds: jax.Array, sample_ids: jax.Array, version: jax.Array) -> jax.Array:
+def row_keys(seeds: jax.Array | np.ndarray, sample_ids: jax.Array | np.ndarray,
+             version: jax.Array | np.ndarray) -> jax.Array:
     """One PRNG key per row from its prompt's seed (uint32 [R, 2]), its sample index [R] and
     the weight version that generates it (uint32 [2]: low, high word; or one per row [R, 2]).
 
@@ -300,12 +301,14 @@ def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, t
     tokens = (jnp.argmax(logits, axis=-1).astype(jnp.int32)
               if plan.greedy or not plan.sampled else None)
     if plan.sampled:
+        assert u is not None, "sampled rows draw from their uniforms"
         use_top_p = _per_row(top_p) < 1.0 if plan.top_p else None
         drawn = None
         if plan.k_cap:
             values, indices = jax.lax.top_k(scaled, plan.k_cap)
             values = jnp.where(jnp.arange(plan.k_cap) < top_k[:, None], values, NEG_INF)
             if plan.top_p:
+                assert use_top_p is not None
                 keep = top_p_keep_sorted(values, top_p) | ~use_top_p
                 values = jnp.where(keep, values, NEG_INF)
             pick = inverse_cdf_sample(values, u)
@@ -313,11 +316,14 @@ def sample_rows(logits: jax.Array, u: jax.Array | None, *, temperature, top_k, t
         if plan.full:
             nucleus = scaled
             if plan.top_p:
+                assert use_top_p is not None
                 nucleus = jnp.where(use_top_p, top_p_filter(scaled, top_p), scaled)
             whole = inverse_cdf_sample(nucleus, u)
             drawn = whole if drawn is None else jnp.where(top_k > 0, drawn, whole)
+        assert drawn is not None, "a sampled row draws top-k (k_cap) or from everything (full)"
         drawn = drawn.astype(jnp.int32)
         tokens = drawn if tokens is None else jnp.where(greedy, tokens, drawn)
+    assert tokens is not None  # argmax when no row is sampled
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
     return tokens, picked - jax.nn.logsumexp(scaled, axis=-1)
 

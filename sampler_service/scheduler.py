@@ -50,7 +50,7 @@ from sampler_service.kv_cache import CacheShape, SlotCache, bucket_rows, bucket_
 from sampler_service.paged_cache import PagedCache
 from sampler_service.requests import FinishedGroup, GeneratedSequence, GenerationRequest
 
-_NEVER = np.int32(2**31 - 1)
+_NEVER = 2**31 - 1
 
 
 @dataclasses.dataclass
@@ -260,6 +260,7 @@ class Scheduler:
                         if pinned is not None else self._latest())
             return self.weights
         current = self.weights
+        assert current is not None  # the batch has rows, so its weights
         if request.pinned is not None:
             same = current.pinned and current.state is request.pinned.state
             return current if same and current.version == request.pinned.version else None
@@ -411,6 +412,8 @@ class Scheduler:
     def _prefill_chunk(self, chunk: list[_Group]) -> None:
         prompts, rows, order, prefill_args, admit_args, plan = self._prefill_inputs(chunk)
         tokens = prefill_args[0]
+        assert self.weights is not None and self.weights.programs is not None  # adopted
+        assert self.cache.shape is not None  # laid out for the batch
         programs = self.weights.programs
         kv, hidden = programs.prefill(self.weights.leaves, *prefill_args)
         self.cache.arrays, tok, lp, stopped = programs.admit(
@@ -450,6 +453,7 @@ class Scheduler:
         count, per = pow2(len(chunk)), pow2(max(len(g.rows) for g in chunk))
         prompt_start = np.zeros(count, np.int32)
         prompt_length = np.ones(count, np.int32)
+        assert self.cache.shape is not None  # laid out for the batch
         row_slot = np.full((count, per), self.cache.shape.rows, np.int32)
         rows, order = [], []
         for i, group in enumerate(chunk):
@@ -488,7 +492,9 @@ class Scheduler:
         return max(1, nxt.n - free, self.cache.max_rows // 8)
 
     def _decode(self) -> None:
+        assert self.weights is not None and self.weights.programs is not None  # adopted
         shape = self.cache.shape
+        assert shape is not None  # laid out for the batch
         order, args, plan = self._decode_inputs()
         live, params = args[3], args[4]
         start = time.perf_counter()
@@ -566,6 +572,7 @@ class Scheduler:
             raise RuntimeError("lower() needs an idle scheduler")
         try:
             weights = self._weights_for(request, True)
+            assert weights is not None and weights.programs is not None  # adopted: batch empty
             admitted = []
             while request.next_prompt < len(request.prompts):
                 admitted.append(self._new_group(request, weights))

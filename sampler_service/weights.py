@@ -94,8 +94,9 @@ def _finite(array: jax.Array) -> list[jax.Array]:
     return [_finite_shard(s.data) for s in array.addressable_shards if s.replica_id == 0]
 
 
-def _bounds(index: tuple[slice, ...], shape) -> wire.Bounds:
+def _bounds(index: tuple[slice, ...] | None, shape) -> wire.Bounds:
     """The ``[start, stop)`` per dim of a shard's index (``jax`` gives slices)."""
+    assert index is not None  # jax types it optional; a NamedSharding's shards have one
     return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True))
 
 
@@ -128,7 +129,8 @@ class PushSession:
         self.lora = (wire.spec_from_header(header.lora, store.config)
                      if header.HasField("lora") else None)
         self._adapters: dict[str, np.ndarray] = {}
-        manifest, blocks = store.manifest, store.block_bounds
+        manifest = store.manifest
+        blocks: dict[str, list[wire.Bounds]] | None = store.block_bounds
         if self.lora is not None:
             manifest = {n: (wire.ADAPTER_DTYPE, shape)
                         for n, shape in self.lora.shapes(store.config).items()}
@@ -207,6 +209,8 @@ class PushSession:
                             f"adapter push version {self.header.version} has non-finite values "
                             f"(NaN or Inf) in {len(bad)} tensors, e.g. {bad[:3]}; not applied, "
                             f"version {self.store.version} still serving")
+        # An adapter push (lora set) is accepted only by a store that keeps its base.
+        assert self.lora is not None and self.store._base is not None
         self.staged = merge_adapters(self.store._base, self._adapters, self.lora)
         for target in self.lora.targets:
             name = f"{target}.weight"
@@ -245,7 +249,7 @@ class PushSession:
             return
         self._closed = True
         self.staged, self._finite, self._served, self._adapters = {}, {}, {}, {}
-        self.assembler = None  # its blocks go back to the staging pool
+        del self.assembler  # its blocks go back to the staging pool
         self.store.staging.trim()
         self.store._pushing = None
         self.store._push_lock.release()

@@ -97,8 +97,9 @@ class DataServer:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop accepting; let connections in progress finish for up to ``grace_s``."""
+    def stop(self, grace_s: float | None = 10.0) -> None:
+        """Stop accepting; let connections in progress finish for up to ``grace_s`` (None: no
+        grace, as for a gRPC server, whose ``on_stop`` hook this is)."""
         self._stopping.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() on Linux
@@ -111,4 +112,4 @@ class DataServer:
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
-            thread.join(grace_s)
+            thread.join(0 if grace_s is None else grace_s)
