@@ -244,9 +244,9 @@ class GenerationEngine:
                     raise EngineClosed("the engine is closed")
                 self.schedulers[batch].queue.append(request)
                 if self._threads[batch] is None:
-                    self._threads[batch] = threading.Thread(
+                    thread = self._threads[batch] = threading.Thread(
                         target=self._run, args=(batch,), name=f"engine-{batch}", daemon=True)
-                    self._threads[batch].start()
+                    thread.start()
                 self._wakes[batch].notify()
         self._publish()
         return request

@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,7 +148,8 @@ class Episodes:
         turn and end (``reset_failed``)."""
         futures = [[self._pool.submit(self.runner.start, key, columns[i]) for key in row]
                    for i, row in enumerate(keys)]
-        texts, failed = [], set()
+        texts: list[str] = []
+        failed: set[str] = set()
         for row, row_keys in zip(futures, keys, strict=True):
             started = [f.result() for f in row]
             texts.append(started[0].text if started[0].status == "ok" else "")
@@ -156,7 +158,8 @@ class Episodes:
 
     def run(self, prompts: list[list[int]], seeds: list[int], keys: list[list[str]],
             options: SamplingOptions, n: int, *, exclusive: bool, sink,
-            failed: set[str] = frozenset(), stop_strings: Sequence[str] = ()) -> _Driver:
+            failed: AbstractSet[str] = frozenset(), stop_strings: Sequence[str] = ()
+            ) -> _Driver:
         """Run the episodes on their own thread. ``stop_strings`` (``sampling.stop_strings``)
         end a turn where its text first holds one, as they end a single-turn completion."""
         driver = _Driver(self, prompts, seeds, keys, options, n, exclusive, sink, failed,
@@ -320,8 +323,8 @@ class _Driver:
         ep.tool_calls += len(calls)
         self.pending += 1
         future = self.owner._pool.submit(self._call_tools, ep.key, calls)  # noqa: SLF001
-        future.add_done_callback(lambda f, key=ep.key: self.events.put(
-            ("tools", key, f.exception() or f.result())))
+        future.add_done_callback(lambda f: self.events.put(
+            ("tools", ep.key, f.exception() or f.result())))
 
     def _text(self, ids: Sequence[int]) -> str:
         return self.owner.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -395,15 +398,15 @@ class _Driver:
         metrics.EPISODE_TURNS.observe(len(ep.turns))
         self.pending += 1
         future = self.owner._pool.submit(self.owner.runner.end, ep.key)  # noqa: SLF001
-        future.add_done_callback(lambda f, key=ep.key: self.events.put(
-            ("ended", key, None if f.exception() else f.result())))
+        future.add_done_callback(lambda f: self.events.put(
+            ("ended", ep.key, None if f.exception() else f.result())))
 
     def _maybe_deliver(self, prompt: int) -> None:
         eps = [self.episodes[k] for k in self.keys[prompt]]
         if not all(ep.closed for ep in eps):
             return
         mask_all = self.cfg.truncation == "mask"
-        trajectories = []
+        trajectories: list[Trajectory] = []
         for ep in eps:
             last = ep.turns[-1]
             truncated = ep.end in LIMITS

@@ -216,7 +216,8 @@ class SlotCache:
 
     def _sharding(self, rows: int) -> NamedSharding:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape, strict=True))
-        heads, batch = [], []
+        heads: list[str] = []
+        batch: list[str] = []
         for name, size in sizes.items():
             if size == 1:
                 continue
@@ -224,7 +225,7 @@ class SlotCache:
                 heads.append(name)
             elif rows % (size * int(np.prod([sizes[a] for a in batch] or [1]))) == 0:
                 batch.append(name)
-        spec = [None] * 5
+        spec: list[tuple[str, ...] | None] = [None] * 5
         spec[self.layout.row_axis] = tuple(batch) or None
         spec[self.layout.head_axis] = tuple(heads) or None
         return NamedSharding(self.mesh, PartitionSpec(*spec))
@@ -238,6 +239,7 @@ class SlotCache:
             self.shape, self.arrays = shape, _zeros(self, shape)
             self._account(self.shape_bytes(shape))
             return
+        assert self.shape is not None  # set with the arrays
         old_bytes = self.shape_bytes(self.shape) // self.num_arrays
         new_bytes = self.shape_bytes(shape) // self.num_arrays
         sharding = self.sharding(shape.rows)

@@ -14,10 +14,14 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sampler_service.sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from sampler_service.episodes import Trajectory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +56,7 @@ class FinishedGroup:
     (``queue_s``) and spent generating (``generate_s``)."""
 
     index: int
-    sequences: list[GeneratedSequence]
+    sequences: Sequence[GeneratedSequence | Trajectory]  # Trajectory: an episodes request's
     queue_s: float
     generate_s: float
 
@@ -135,7 +139,7 @@ class GenerationRequest:
 
     def result(self) -> list[list[GeneratedSequence]]:
         """Every prompt's completions, ``[prompt][sample]``, once all are done."""
-        out: list[list[GeneratedSequence] | None] = [None] * len(self.prompts)
+        out: list[Sequence[GeneratedSequence | Trajectory] | None] = [None] * len(self.prompts)
         for group in self.groups():
             out[group.index] = group.sequences
         if any(g is None for g in out):
