@@ -123,6 +123,7 @@ class GenerationEngine:
         self.batching = batching
         # the cache's layout: the paged one (Pallas kernel) on TPU unless told otherwise
         layout = layout_for(mesh, decode_attention, kv_page_size, model_config.head_dim)
+        self.caches: list[SlotCache | PagedCache]
         if isinstance(layout, PagedLayout):
             self.caches = [self._page_pool(model_config, dtype, layout, max_batch_size,
                                            kv_cache_bytes, kv_pages, kv_pages_per_sequence)
