@@ -52,7 +52,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest tests -q -m 'not slow' $(XDIST)
 
-# mypy checks the modules [tool.mypy] lists in pyproject.toml (the ones that check clean).
+# mypy checks the packages [tool.mypy] lists in pyproject.toml.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
