@@ -19,7 +19,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 site=$("$here/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 old=$(mktemp -d -t against-tree-XXXX)/tree
 git -C "$here" worktree add --detach "$old" "$rev" > /dev/null
-trap 'git -C "$here" worktree remove --force "$old"' EXIT
+trap 'git -C "$here" worktree remove --force "$old"; rmdir "${old%/tree}"' EXIT
 python3 -m venv --without-pip "$old/.venv"
 oldsite=$("$old/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 printf '%s\n%s\n' "$old" "$site" > "$oldsite/_against_commit.pth"
