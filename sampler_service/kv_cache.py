@@ -268,11 +268,17 @@ class SlotCache:
 
 
 def _zeros(cache: SlotCache, shape: CacheShape) -> tuple:
-    k_shape, v_shape = cache.layout.shapes(cache.config, shape.rows, shape.width)
-    sharding = cache.sharding(shape.rows)
-    make = jax.jit(lambda: (jnp.zeros(k_shape, cache.dtype), jnp.zeros(v_shape, cache.dtype)),
-                   out_shardings=sharding)
-    return make()
+    shapes = cache.layout.shapes(cache.config, shape.rows, shape.width)
+    return zeros_program(tuple(shapes), cache.dtype, cache.sharding(shape.rows))()
+
+
+@functools.cache
+def zeros_program(shapes: tuple, dtype, sharding: NamedSharding):
+    """The program that makes zero arrays of ``shapes`` laid out by ``sharding`` on the devices
+    (never whole on one), one per distinct argument: a cache allocated again at a shape it had
+    (after a release, a resize back, or by another engine) runs it without tracing and
+    compiling it anew."""
+    return jax.jit(lambda: tuple(jnp.zeros(s, dtype) for s in shapes), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, static_argnames=("width", "axis", "row_axis", "sharding"))

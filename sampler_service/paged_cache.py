@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sampler_service.kv_cache import zeros_program
 from splitrl.mesh import TENSOR_AXIS
 from splitrl.models import TransformerConfig
 from splitrl.models.paged import paged_attend
@@ -234,7 +235,5 @@ class PagedCache:
 
 
 def _zeros(cache: PagedCache) -> tuple:
-    k_shape, v_shape = cache.layout.shapes(cache.config, cache.num_pages + 1)
-    make = jax.jit(lambda: (jnp.zeros(k_shape, cache.dtype), jnp.zeros(v_shape, cache.dtype)),
-                   out_shardings=cache.sharding())
-    return make()
+    shapes = cache.layout.shapes(cache.config, cache.num_pages + 1)
+    return zeros_program(tuple(shapes), cache.dtype, cache.sharding())()
