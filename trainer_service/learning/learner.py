@@ -207,6 +207,8 @@ class Learner:
         self._zero_grads = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree),
                                    out_shardings=self.param_shardings)
         self._opt_shardings = self._optimizer_shardings()
+        self._layout, self._opt_layout = _Layout.of(self.param_shardings), _Layout.of(
+            self._opt_shardings)
         if self.abstract:
             self.opt_state = self._place(jax.eval_shape(self.tx.init, self.params),
                                          self._opt_shardings)
@@ -275,7 +277,8 @@ class Learner:
             grads, old, loss_metrics = self._accumulate_gradients(micro_batches, old, ref, counts,
                                                                   epoch)
             self.params, self.opt_state, grad_norm = self.first_runs.call(
-                _apply_update, 1, self.tx, self.params, self.opt_state, grads
+                _apply_update, 3, self.tx, self._layout, self._opt_layout, self.params,
+                self.opt_state, grads
             )
             per_epoch.append({**loss_metrics, "grad_norm": float(grad_norm), "lr": lr})
         self.version += 1
@@ -300,7 +303,8 @@ class Learner:
         grads, _, _ = self._accumulate_gradients(mb, None, [self._reference_logprobs(mb[0])],
                                                  counts)
         # The update donates params and optimizer state: compiled, not run.
-        _apply_update.lower(self.tx, self.params, self.opt_state, grads).compile()
+        _apply_update.lower(self.tx, self._layout, self._opt_layout, self.params,
+                            self.opt_state, grads).compile()
 
     def _accumulate_gradients(self, micro_batches, old, ref, counts, epoch=0):
         """Sum of the micro-batch gradients (= the full batch's), the logprobs to use as pi_old
@@ -311,7 +315,8 @@ class Learner:
         for i, mb in enumerate(micro_batches):
             with self._on_mesh():
                 grads, logp, m = self.first_runs.call(
-                    _grad_step, 2, self._spec, self._settings, grads, self.base_params,
+                    _grad_step, 3, self._spec, self._settings, self._layout, grads,
+                    self.base_params,
                     self.params, mb,
                     _placeholder(mb) if first_epoch else old[i], first_epoch, ref[i], counts,
                     self._dropout_key(epoch, i),
@@ -395,10 +400,11 @@ class Learner:
         with self._on_mesh():
             lowered = {
                 "grad_step": _grad_step.lower(
-                    self._spec, self._settings, params, base, params, mb, logp,
+                    self._spec, self._settings, self._layout, params, base, params, mb, logp,
                     scalar(jnp.bool_), ref, counts, self._dropout_key(0, 0),
                 ),
-                "apply_update": _apply_update.lower(self.tx, params, opt_state, params),
+                "apply_update": _apply_update.lower(self.tx, self._layout, self._opt_layout,
+                                                    params, opt_state, params),
             }
             if self.lora is not None and self.algorithm.beta > 0:  # the base, adapters off
                 lowered["reference_logprobs"] = _forward.lower(
@@ -579,10 +585,11 @@ def _forward(spec: _ForwardSpec, base: Params | None, params: Params,
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=2)
-def _grad_step(spec, settings, grads_acc, base, params, mb, old, first_epoch, ref, counts,
-               dropout_key):
-    """grads_acc + d(loss)/d(params) on one micro-batch; also its logprobs and metrics."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
+def _grad_step(spec, settings, layout, grads_acc, base, params, mb, old, first_epoch, ref,
+               counts, dropout_key):
+    """grads_acc + d(loss)/d(params) on one micro-batch, laid out as the parameters (``layout``);
+    also its logprobs and metrics."""
 
     def loss_fn(p):
         logp, entropy = _forward(spec, base, p, mb, dropout_key)
@@ -595,14 +602,38 @@ def _grad_step(spec, settings, grads_acc, base, params, mb, old, first_epoch, re
         return loss, (jax.lax.stop_gradient(logp), metrics)
 
     (_, (logp, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return jax.tree.map(jnp.add, grads_acc, grads), logp, metrics
+    summed = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads_acc, grads),
+                                              layout.tree())
+    return summed, logp, metrics
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-def _apply_update(tx, params, opt_state, grads):
-    """One optax update; returns the new params and state and the pre-clip gradient norm."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
+def _apply_update(tx, layout, opt_layout, params, opt_state, grads):
+    """One optax update; returns the new params and state, laid out as before (``layout``,
+    ``opt_layout``), and the pre-clip gradient norm."""
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates),
+                                              layout.tree())
+    opt_state = jax.lax.with_sharding_constraint(opt_state, opt_layout.tree())
+    return params, opt_state, optax.tree.norm(grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """A pytree's shardings as a static (hashable) argument. The jitted steps pin their outputs
+    to it: left to XLA, an output's sharding can differ from its input's (``P(None, None)`` in,
+    ``P(None, 'fsdp')`` out), and the next call with it compiles the program again."""
+
+    treedef: Any
+    leaves: tuple
+
+    @classmethod
+    def of(cls, shardings) -> _Layout:
+        leaves, treedef = jax.tree.flatten(shardings)
+        return cls(treedef, tuple(leaves))
+
+    def tree(self):
+        return jax.tree.unflatten(self.treedef, self.leaves)
 
 
 def _placeholder(mb: dict[str, jax.Array]) -> jax.Array:
