@@ -20,9 +20,6 @@ MESSAGE_NAMES = frozenset({"details", "message", "msg", "error", "err", "reason"
 
 # Where a message is read, each with why.
 ALLOWED = {
-    # jax's distributed client raises one runtime error type for every failure of its
-    # blocking get; its deadline is told apart only by the status name in the text.
-    ("trainer_service/learning/multihost.py", "receive"),
     # Not a decision: pydantic's message for a config error is reworded for people, without
     # repeating the key it already starts with.
     ("splitrl/config_base.py", "_one"),

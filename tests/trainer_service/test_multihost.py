@@ -181,6 +181,9 @@ class FakeClient:
             raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
         return self.store[key]
 
+    def key_value_dir_get(self, directory):
+        return [(k, v) for k, v in self.store.items() if k.startswith(directory)]
+
 
 def test_followers_read_the_leaders_messages_in_order_and_wait_through_deadlines():
     client = FakeClient(misses=2)
@@ -199,8 +202,11 @@ def test_followers_read_the_leaders_messages_in_order_and_wait_through_deadlines
 
 
 def test_a_follower_fails_on_a_lost_coordinator_rather_than_waiting_forever():
-    class Broken(FakeClient):
+    class Broken(FakeClient):  # the get and the directory read both fail, as on a lost service
         def blocking_key_value_get(self, key, timeout_ms):
+            raise RuntimeError("UNAVAILABLE: failed to connect to the coordination service")
+
+        def key_value_dir_get(self, directory):
             raise RuntimeError("UNAVAILABLE: failed to connect to the coordination service")
 
     with pytest.raises(RuntimeError, match="UNAVAILABLE"):
@@ -224,6 +230,10 @@ class BlockingClient(FakeClient):
             if not self.changed.wait_for(lambda: key in self.store, timeout_ms / 1000):
                 raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
             return self.store[key]
+
+    def key_value_dir_get(self, directory):
+        with self.changed:
+            return super().key_value_dir_get(directory)
 
 
 def _barriers(groups, names):

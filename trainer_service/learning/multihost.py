@@ -197,16 +197,23 @@ class HostGroup:
 
     def _wait_for(self, key: str, whom: str, context: dict) -> str:
         """The value of ``key`` in the coordination service, once someone sets it: waits as
-        long as it takes (a blocking get per ``poll_s``, a log line after each)."""
+        long as it takes (a blocking get per ``poll_s``, a log line after each).
+
+        The client raises one error type both when a get reaches its deadline and when the
+        service is gone. A read of the key's directory tells the two apart without reading
+        the error's text: it answers an absent key with an empty list, and fails only when the
+        service does (that error is raised)."""
+        directory = key.rsplit("/", 1)[0] + "/"
         waited = 0.0
         while True:
             try:
                 return self.client.blocking_key_value_get(key, int(self.poll_s * 1000))
-            except Exception as e:  # the client raises on its deadline; anything else is fatal
-                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
-                    raise
-                waited += self.poll_s
-                log.info(f"waiting for {whom}", extra={**context, "waited_s": round(waited)})
+            except Exception:
+                present = dict(self.client.key_value_dir_get(directory))
+                if key in present:  # set between the deadline and the read
+                    return present[key]
+            waited += self.poll_s
+            log.info(f"waiting for {whom}", extra={**context, "waited_s": round(waited)})
 
     # ------------------------------------------------------------------ every process
 
