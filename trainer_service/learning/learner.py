@@ -207,8 +207,8 @@ class Learner:
         self._zero_grads = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree),
                                    out_shardings=self.param_shardings)
         self._opt_shardings = self._optimizer_shardings()
-        self._layout, self._opt_layout = _Layout.of(self.param_shardings), _Layout.of(
-            self._opt_shardings)
+        self._layout = _Layout.of(self.param_shardings)
+        self._opt_layout = _Layout.of(self._opt_shardings)
         if self.abstract:
             self.opt_state = self._place(jax.eval_shape(self.tx.init, self.params),
                                          self._opt_shardings)
@@ -316,8 +316,7 @@ class Learner:
             with self._on_mesh():
                 grads, logp, m = self.first_runs.call(
                     _grad_step, 3, self._spec, self._settings, self._layout, grads,
-                    self.base_params,
-                    self.params, mb,
+                    self.base_params, self.params, mb,
                     _placeholder(mb) if first_epoch else old[i], first_epoch, ref[i], counts,
                     self._dropout_key(epoch, i),
                 )
