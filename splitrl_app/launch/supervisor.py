@@ -207,13 +207,15 @@ class Launcher:
             ports = ", ".join(f"{n} {p}" for n, p in self.metrics_ports.items())
             say(f"Prometheus metrics: {ports} (targets: {self.run_dir / 'prometheus.json'})")
 
-    def start_trainer(self):
-        """Start (or, after it died, restart) the trainer, pointed at the launched samplers."""
+    def start_trainer(self, overrides: tuple[str, ...] = ()):
+        """Start (or, after it died, restart) the trainer, pointed at the launched samplers;
+        ``overrides`` change its config from the launch's (a restart may ask for more or fewer
+        ``trainer.steps``, as ``splitrl up`` with another step count resumes a run)."""
         addresses = "[" + ",".join(self.sampler_addresses) + "]"
         return self.start(
             "trainer",
             "trainer",
-            [f"services.sampler_addresses={addresses}"],
+            [f"services.sampler_addresses={addresses}", *overrides],
             self.cfg.trainer.mesh.devices_needed(),
         )
 

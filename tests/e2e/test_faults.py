@@ -11,6 +11,7 @@ from collections import Counter
 import grpc
 import pytest
 
+from splitrl.jsonl import read_jsonl
 from splitrl.serving import make_channel
 from splitrl.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from splitrl_app.launch.ports import free_port
@@ -50,14 +51,16 @@ def test_a_sampler_killed_a_sampler_joining_and_a_sigterm_resume_lose_no_prompt(
     without the token are refused; sampler-0 is killed with SIGKILL, a sampler started mid-run
     joins and gets work, a sampler with other settings is refused; then the trainer is stopped
     with SIGTERM (Ctrl-C), finishes its step, checkpoints it, exits 0, and the next start
-    continues from exactly there. Across all of it every prompt of the run is trained exactly
-    once, every step once, no group more than one version stale. (One run for what were two
-    tests, each starting its own services: the sampler faults, and the staleness bound with
-    auth across a SIGTERM and resume.)"""
+    continues from exactly there for RESUMED more steps. Across all of it every prompt of the
+    run is trained exactly once, every step once, no group more than one version stale. (One
+    run for what were two tests, each starting its own services: the sampler faults, and the
+    staleness bound with auth across a SIGTERM and resume.)"""
     run_dir = tmp_path / "run"
     # The newcomer joins mid-run: the trainer is paused while it starts (see below); the
-    # SIGTERM follows as soon as it is ready, with most of the 150 steps still to run.
-    steps, per_step = 150, 8
+    # SIGTERM follows as soon as it has trained on the newcomer's work and refused the
+    # stranger, with most of the 150 steps still to run. The restart asks for fewer: the run
+    # ends RESUMED steps after the stop (a resume may change trainer.steps), not at 150.
+    steps, per_step, resumed_steps = 150, 8, 4
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
                      f"trainer.prompts_per_step={per_step}", "trainer.max_staleness=1",
                      "trainer.checkpoint.every=1000", "services.auth.token=s3cret", *FAST)
@@ -111,6 +114,16 @@ def test_a_sampler_killed_a_sampler_joining_and_a_sigterm_resume_lose_no_prompt(
         assert status.step < steps, "the run ended before the new sampler joined"
         assert not any(s.address == launcher.sampler_addresses[0] and s.healthy
                        for s in status.samplers), "the killed sampler is still listed healthy"
+        # The stranger registers again and again (every heartbeat): this trainer refuses it.
+        refusal = (f"sampler {stranger} refused: its settings differ from the trainer's (start "
+                   "it with the trainer's config and model): sampling.stop_token_ids: "
+                   "trainer [], sampler [5]")
+        wait_for(lambda: refusal in (launcher.log_dir / "trainer.log").read_text(), 120,
+                 "the stranger's refusal", launcher)
+        trained = run_dir / "trained_prompts.jsonl"  # read while the trainer writes it
+        wait_for(lambda: any(_is(newcomer, s) for r in read_jsonl(trained)
+                             for s in r["samplers"]), 300,
+                 "a step trained on the new sampler's completions", launcher)
         # Ctrl-C / SIGTERM: the trainer finishes its step, checkpoints it and exits 0.
         launcher.procs["trainer"].send_signal(signal.SIGTERM)
         assert wait_exit(launcher, "trainer", 120) == 0, tail(launcher.log_dir / "trainer.log")
@@ -120,14 +133,8 @@ def test_a_sampler_killed_a_sampler_joining_and_a_sigterm_resume_lose_no_prompt(
         stop_step = stopped[-1]["step"]
         assert stop_step < steps, "the run ended before the SIGTERM"
         assert (run_dir / "checkpoints" / str(stop_step)).is_dir()
-        launcher.start_trainer()
-        # The stranger registers again and again: the first trainer or the restarted one
-        # refuses it.
-        refusal = (f"sampler {stranger} refused: its settings differ from the trainer's (start "
-                   "it with the trainer's config and model): sampling.stop_token_ids: "
-                   "trainer [], sampler [5]")
-        wait_for(lambda: refusal in (launcher.log_dir / "trainer.log").read_text(), 120,
-                 "the stranger's refusal", launcher)
+        steps = stop_step + resumed_steps
+        launcher.start_trainer((f"trainer.steps={steps}",))
         assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
     finally:
         launcher.stop()
@@ -149,7 +156,7 @@ def test_a_sampler_killed_a_sampler_joining_and_a_sigterm_resume_lose_no_prompt(
     print(f"staleness histogram: {Counter(staleness)}")
 
     by_sampler = Counter(s for r in records for s in r["samplers"])
-    assert any(newcomer.endswith(s.rsplit(":", 1)[-1]) or s == newcomer for s in by_sampler), (
+    assert any(_is(newcomer, s) for s in by_sampler), (
         f"the sampler started mid-run got no work: {by_sampler}"
     )
     assert "stranger" not in by_sampler, by_sampler  # refused: never given a prompt
@@ -157,6 +164,11 @@ def test_a_sampler_killed_a_sampler_joining_and_a_sigterm_resume_lose_no_prompt(
     assert any(r.get("msg") == "sampler synced" and r.get("ok") and
                r.get("served_before") == "the weights of its own model.path" and
                r.get("address", "").endswith(newcomer.rsplit(":", 1)[1]) for r in trainer_log)
+
+
+def _is(address: str, sampler_id: str) -> bool:
+    """Whether ``sampler_id`` (a trained record's) names the sampler at ``address``."""
+    return sampler_id == address or address.endswith(sampler_id.rsplit(":", 1)[-1])
 
 
 def test_trainer_killed_resumes_from_checkpoint_with_dynamic_sampling(arith_model, tmp_path):
