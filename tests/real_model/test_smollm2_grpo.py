@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct trained by GRPO on GSM8K through the real services (a reward service,
 one sampler and an fsdp trainer, separate processes on 127.0.0.1), with the recipe of
 examples/gsm8k-grpo/smollm2-cpu.yaml cut to the smallest run that shows every part: two steps
-of two prompts x two completions of at most 16 tokens, one trainer device, no reference model
+of one prompt x two completions of at most 16 tokens, one trainer device, no reference model
 and no evaluations; once as a full fine-tune, once with LoRA adapters.
 
 Each run: every step's loss is finite; each step's weights are pushed and the second step
@@ -11,11 +11,12 @@ exported adapter loaded with peft on the base), far from the base model's; and t
 loads in transformers (peft) with logits equal to SplitRL's own forward of it, by the parity
 test's measure (tests/real_model/test_smollm2_parity.py: |diff| <= 2e-5 x the logits' scale).
 
-The runs train on real GSM8K training questions, the four that the two steps draw, chosen to
-encode to one length with the chat template: every train batch then has the shape the trainer
-warms up for (the longest prompt plus the generation budget), so it compiles its 30-layer train
-step once, not once per padded length, and the trainer's length check reads four rows, not the
-whole split.
+The runs train on real GSM8K training questions, the two that the two steps draw, chosen to
+encode to one length with the chat template, the shortest length that two questions share:
+every train batch then has the shape the trainer warms up for (the longest prompt plus the
+generation budget), so it compiles its 30-layer train step once, not once per padded length,
+the trainer's length check reads two rows, not the whole split, and a train step (the test's
+main cost) runs on as few tokens as a real question allows.
 
 At 16 tokens SmolLM2 hardly ever answers, so a group's completions mostly score alike and
 carry no policy gradient: the runs add an entropy bonus and a large learning rate, so the
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gsm8k-grpo" / "smollm2-cpu.yaml"
 STEPS = 2
-BUDGET = (f"trainer.steps={STEPS}", "trainer.prompts_per_step=2", "algorithm.group_size=2",
+BUDGET = (f"trainer.steps={STEPS}", "trainer.prompts_per_step=1", "algorithm.group_size=2",
           "sampling.max_new_tokens=16", "trainer.micro_batch_size=2", "sampler.max_batch_size=4",
           "trainer.eval_before=false", "trainer.eval_after=false", "trainer.eval_every=null",
           "trainer.mesh.axes={fsdp: 1}", "algorithm.beta=0", "algorithm.entropy_coef=0.01")
@@ -57,7 +58,7 @@ SCANNED = 400  # GSM8K training rows searched for prompts of one length
 def one_length_gsm8k(smollm2_tokenizer, shared_data, tmp_path_factory) -> Path:
     """A GSM8K folder whose train.jsonl holds the ``STEPS x prompts_per_step`` questions the
     runs draw: rows of the shipped GSM8K train split that the sampler encodes (the recipe's
-    instruction appended, the chat template) to one length."""
+    instruction appended, the chat template) to one length, the shortest such length."""
     from splitrl.tasks import get_task
     from splitrl.tokenizer import encode_prompt
 
@@ -72,8 +73,9 @@ def one_length_gsm8k(smollm2_tokenizer, shared_data, tmp_path_factory) -> Path:
                             use_chat_template=data.chat_template)
         by_length[len(ids)].append(record)
     needed = STEPS * trainer.prompts_per_step
-    chosen = max(by_length.values(), key=len)[:needed]
-    assert len(chosen) == needed, {n: len(r) for n, r in by_length.items()}
+    shared = [n for n, rows in by_length.items() if len(rows) >= needed]
+    assert shared, {n: len(r) for n, r in by_length.items()}
+    chosen = by_length[min(shared)][:needed]
     folder = tmp_path_factory.mktemp("gsm8k-one-length")
     (folder / "train.jsonl").write_text("".join(r + "\n" for r in chosen))
     return folder
