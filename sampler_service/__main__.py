@@ -28,4 +28,8 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    code = cli()
+    from splitrl.serving import exit_without_teardown
+
+    # As `splitrl sampler`: the sampler has stopped its servers and engine when cli() returns.
+    exit_without_teardown(code)

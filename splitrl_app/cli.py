@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -419,9 +418,8 @@ def _run(args: argparse.Namespace) -> int:
 # Commands whose process has closed everything it owns when the command returns (checkpoints
 # written, exports and metrics flushed, trackers finished, servers stopped, the services a
 # launcher started waited for): the process then leaves without the interpreter's teardown
-# (jax's exit hook clearing every backend and compilation cache, the finalisation of jax,
-# flax and XLA's client), which frees nothing the OS does not free at once and delays every
-# `splitrl up`, which waits for each service (bench/startup_tricks.py measures it).
+# (`splitrl.serving.exit_without_teardown`), which delays every `splitrl up`, which waits for
+# each service.
 NO_TEARDOWN = frozenset({"trainer", "sampler", "up", "demo"})
 
 
@@ -435,10 +433,9 @@ def entry() -> None:
     args = _parse(build_parser(), None)
     code = _run(args)
     if args.command in NO_TEARDOWN:
-        logging.shutdown()  # flush every handler; stdout and stderr below
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        from splitrl.serving import exit_without_teardown
+
+        exit_without_teardown(code)
     sys.exit(code)
 
 
