@@ -5,6 +5,8 @@ per-process Prometheus ports, then ``splitrl export`` of a checkpoint into trans
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -59,6 +61,17 @@ def _finish(command: _Command, timeout_s: float = 600) -> tuple[int, str, str]:
     return command.finish(timeout_s)
 
 
+def _in_process(*args: str) -> tuple[int, str, str]:
+    """``splitrl ARGS`` run by this process (`splitrl_app.cli.main`, what the executable calls)
+    for a command that starts no service: its code without a process start of its own."""
+    from splitrl_app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return code, out.getvalue(), err.getvalue()
+
+
 def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
@@ -90,8 +103,9 @@ def run(arith_model, tmp_path_factory):
     interrupted = _finish(first)
     stopped_summary = json.loads((run_dir / "summary.json").read_text())
     stopped = int(stopped_summary["step"])
-    refused = _finish(_splitrl(*args, f"trainer.steps={LONG}", "algorithm.loss=gspo",
-                               "trainer.optimizer.lr=0.002"), 300)
+    # Refused before any service starts: run in this process.
+    refused = _in_process(*args, f"trainer.steps={LONG}", "algorithm.loss=gspo",
+                          "trainer.optimizer.lr=0.002")
     # More steps than the interrupted run was asked for is no change a resume refuses.
     resumed = _finish(_splitrl(*args, f"trainer.steps={stopped + MORE}"))
     return {"dir": run_dir, "interrupted": interrupted, "refused": refused, "resumed": resumed,
@@ -182,14 +196,14 @@ def test_export_of_a_checkpoint_loads_in_transformers(run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     mid = tmp_path / "step-4"
-    code, out, err = _finish(_splitrl("export", str(run["dir"] / "checkpoints" / "4"), str(mid)))
+    code, out, err = _in_process("export", str(run["dir"] / "checkpoints" / "4"), str(mid))
     assert code == 0 and "exported the policy of step 4" in out, err
     model = AutoModelForCausalLM.from_pretrained(mid)
     with torch.no_grad():
         logits = model(torch.tensor([[1, 5, 6]])).logits
     assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
     last = tmp_path / "last"
-    code, _, err = _finish(_splitrl("export", str(run["dir"]), str(last)))
+    code, _, err = _in_process("export", str(run["dir"]), str(last))
     assert code == 0, err
     [exported] = list(last.glob("*.safetensors"))
     [in_run] = list((run["dir"] / "export").glob("*.safetensors"))
