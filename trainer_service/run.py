@@ -53,6 +53,7 @@ from trainer_service.learning.multihost import HostGroup
 from trainer_service.orchestration.evaluation import RunEvaluation, accuracy_function
 from trainer_service.orchestration.identity import ModelIdentity
 from trainer_service.orchestration.parts import build_leader_parts
+from trainer_service.orchestration.prompt_length import token_counter
 from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
 from trainer_service.orchestration.reward_checks import RewardChecks, RewardFunctionFailed
 from trainer_service.policy import Policy
@@ -223,14 +224,22 @@ class LeaderRun:
         return report.longest + self.cfg.sampling.max_new_tokens
 
     def _start_warm_up(self) -> threading.Thread | None:
-        """Compile the train step for the batch shape the first step will most likely have
-        (every prompt's group, the longest prompt plus the full generation budget), in the
-        background while the samplers start and generate."""
+        """Compile the train step for the batch shape the next step will most likely have, in
+        the background while the samplers start and generate: every prompt's group, and the
+        longest of the prompts it draws plus the full generation budget. (Not the split's
+        longest prompt: where prompt lengths vary, as in GSM8K, the first batches are mostly
+        of a shorter bucket, and a program compiled for the longest would go unused.)"""
         longest = self._longest_row()
         if longest is None:
             return None
-        rows = self.cfg.trainer.prompts_per_step * self.cfg.algorithm.group_size
-        return self.policy.start_warm_up(rows, batch_length(longest, longest))
+        tcfg = self.cfg.trainer
+        prompts = self.data.peek(tcfg.prompts_per_step)
+        if not prompts:
+            return None
+        served = token_counter(self.tokenizer, lambda row: row)  # peek's rows are formatted
+        first = max(served(prompts)) + self.cfg.sampling.max_new_tokens
+        rows = tcfg.prompts_per_step * self.cfg.algorithm.group_size
+        return self.policy.start_warm_up(rows, batch_length(first, longest))
 
     # -- metrics and evaluation -----------------------------------------------------------
 

@@ -53,6 +53,16 @@ def test_state_dict_resumes_at_exactly_the_same_next_batch():
     assert resumed.state_dict() == stream.state_dict()
 
 
+def test_peek_shows_the_next_batch_across_an_epoch_end_without_serving_it():
+    stream = arithmetic_stream(seed=5, epochs=2)
+    stream.next_batch(20)  # 5 rows left in epoch 0
+    state = stream.state_dict()
+    peeked = stream.peek(8)
+    assert stream.state_dict() == state
+    assert peeked == stream.next_batch(8)
+    assert [r["epoch"] for r in peeked] == [0] * 5 + [1] * 3
+
+
 def test_load_state_dict_rejects_a_cursor_of_other_data():
     state = arithmetic_stream(seed=5).state_dict()
     with pytest.raises(ValueError, match="seed=5"):

@@ -239,6 +239,14 @@ class PromptStream:
                 self._epoch, self._index = self._epoch + 1, 0
         return batch
 
+    def peek(self, n: int) -> list[Row]:
+        """The rows `next_batch(n)` would return now, without serving them (the cursor stays)."""
+        cursor = self._epoch, self._index, self._served
+        try:
+            return self.next_batch(n)
+        finally:
+            self._epoch, self._index, self._served = cursor
+
     def state_dict(self) -> dict[str, Any]:
         """The cursor, JSON-able: {version, epoch, index, served, seed, size, shuffle}."""
         return {"version": STATE_VERSION, "epoch": self._epoch, "index": self._index,
