@@ -16,9 +16,14 @@ busy with single-turn requests (``--length`` tokens each, no stop token) submitt
 thread, and the episodes run among them. Over the window from the episodes' start to their
 end, with the batch already full:
 
-    busy fraction = tokens decoded per second in that window (the single-turn requests' and
-                    the episodes' model tokens) / tokens decoded per second by the same
-                    single-turn requests alone, over a window of the same token count
+    busy fraction = tokens decoded per CPU second of the sampler's process in that window
+                    (the single-turn requests' and the episodes' model tokens) / tokens
+                    decoded per CPU second by the same single-turn requests alone, over a
+                    window of the same token count
+
+CPU seconds (`time.process_time`), because on a shared machine wall time mostly measures the
+other processes; on a dedicated sampler the two agree (the batch is kept full, so the process
+never idles). The wall-clock ratio is printed beside it.
 
 1.0 means the tool waits and the trajectories' returns cost the batch nothing: while episodes
 wait on their tools their rows decode other work, and returning trajectories join without
@@ -27,12 +32,12 @@ return that compiled a program, would show as a lower fraction. (Episodes alone 
 the rows busy here: their turns are two tokens and the tool workers, not the sampler, set how
 fast they go; the line "episodes alone" shows that bound.)
 
-Returning trajectories are admitted in bucketed shapes (packed prefill rows, prompts per
-admission, cache rows): a finite set of programs, compiled the first time each shape occurs.
-The runs with episodes are repeated untimed until one compiles nothing new (the steady state
-of a sampler that has run a while), then ``--repeats`` timed runs, best kept; the warm-up runs
-it took and the programs compiled during the timed runs are printed. Timings on a shared
-machine depend on its load: the load average is printed beside them.
+Returning trajectories are admitted in bucketed shapes (`scheduler.Scheduler._chunks`,
+`_prefill_inputs`): a finite set of programs, compiled the first time each shape occurs. The
+runs with episodes are repeated untimed until one compiles nothing (XLA compile events from
+`jax.monitoring`: the steady state of a sampler that has run a while), then ``--repeats``
+timed runs, best kept; the warm-up runs it took and the programs compiled during the timed
+runs are printed by name. The load average is printed beside the timings.
 """
 
 from __future__ import annotations
@@ -125,6 +130,13 @@ def main() -> int:
     from splitrl.models import from_pretrained
     from splitrl.tokenizer import eos_token_ids, load_tokenizer
 
+    compiled: list[str] = []  # XLA compilations in this process: what a warm sampler never does
+
+    def on_duration(event: str, _seconds: float, fun_name: str = "?", **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     tokenizer = load_tokenizer(model_dir)
     model = from_pretrained(model_dir)
     graphdef, state = nnx.split(model)
@@ -146,15 +158,26 @@ def main() -> int:
                              stop_token_ids=(), seed=0, greedy=False)
     columns = [{"secret": i % 10} for i in range(args.prompts)]
 
-    def counters() -> tuple[float, int, int, int]:
+    def counters() -> tuple:
         st = engine.stats
-        return time.perf_counter(), st["tokens_generated"], st["live_row_steps"], st["row_steps"]
+        return (time.perf_counter(), st["tokens_generated"], st["live_row_steps"],
+                st["row_steps"], st["segments"], st["prefill_chunks"], st["prefill_seconds"],
+                st["decode_seconds"], time.process_time(), len(compiled))
 
     def window(start, end) -> dict:
         seconds, tokens = end[0] - start[0], end[1] - start[1]
         rows = end[3] - start[3]
         return {"seconds": seconds, "tokens": tokens, "rate": tokens / seconds,
-                "occupancy": (end[2] - start[2]) / rows if rows else 0.0}
+                "occupancy": (end[2] - start[2]) / rows if rows else 0.0,
+                "segments": end[4] - start[4], "prefills": end[5] - start[5],
+                "prefill_s": end[6] - start[6], "decode_s": end[7] - start[7],
+                "cpu_s": end[8] - start[8], "compiles": compiled[start[9]:end[9]],
+                "cpu_rate": tokens / (end[8] - start[8])}
+
+    def where(run: dict) -> str:
+        return (f"{run['segments']} segments, {run['prefills']} prefills; prefill "
+                f"{run['prefill_s']:.2f} s, decode {run['decode_s']:.2f} s, process CPU "
+                f"{run['cpu_s']:.2f} s")
 
     def batch_full() -> None:
         while engine.stats["active_sequences"] < engine.max_batch_size:
@@ -203,14 +226,12 @@ def main() -> int:
         (at most ``most``): the steady state of a sampler that has run a while, whose bucketed
         shapes are all compiled. Returns the runs it took."""
         for runs in range(1, most + 1):
-            before = engine.stats["compiled_programs"]
-            episodes_run(episodes, feeder=True)
-            if engine.stats["compiled_programs"] == before:
+            if not episodes_run(episodes, feeder=True)["compiles"]:
                 return runs
         return most
 
     def best(runs: list[dict]) -> dict:
-        return max(runs, key=lambda r: r["rate"])
+        return max(runs, key=lambda r: r["cpu_rate"])
 
     print(f"model {model_dir}; {args.prompts} prompts x {args.group} episodes, {args.rows} "
           f"decode rows, {args.workers} tool workers, single-turn completions of "
@@ -226,10 +247,11 @@ def main() -> int:
                 alone = episodes_run(episodes, feeder=False)
                 single_run(alone["tokens"])  # compiles
                 warm_runs = warm_up(episodes)
-                programs = engine.stats["compiled_programs"]
-                mixed = best([episodes_run(episodes, feeder=True) for _ in range(args.repeats)])
-                ref = best([single_run(mixed["tokens"]) for _ in range(args.repeats)])
-                compiled = engine.stats["compiled_programs"] - programs
+                mixed_runs = [episodes_run(episodes, feeder=True) for _ in range(args.repeats)]
+                mixed = best(mixed_runs)
+                ref_runs = [single_run(mixed["tokens"]) for _ in range(args.repeats)]
+                ref = best(ref_runs)
+                late = [name for r in mixed_runs + ref_runs for name in r["compiles"]]
             finally:
                 episodes.close()
             floor = alone["calls"] * latency / args.workers
@@ -237,13 +259,16 @@ def main() -> int:
                   f"model tokens in {alone['seconds']:.2f} s ({alone['calls']} tool calls; "
                   f"the tool workers alone need {floor:.2f} s)", flush=True)
             print(f"  with single-turn requests: {mixed['tokens']} tokens "
-                  f"({mixed['model_tokens']} the episodes') in {mixed['seconds']:.2f} s "
-                  f"({mixed['rate']:.0f} tok/s, rows decoding {mixed['occupancy']:.2f}); "
-                  f"single-turn alone {ref['tokens']} tokens in {ref['seconds']:.2f} s "
-                  f"({ref['rate']:.0f} tok/s, rows decoding {ref['occupancy']:.2f}); "
-                  f"{warm_runs} warm-up runs, {compiled} programs compiled in the timed "
-                  "runs", flush=True)
-            print(f"tool-latency busy fraction: {mixed['rate'] / ref['rate']:.2f} "
+                  f"({mixed['model_tokens']} the episodes') in {mixed['seconds']:.2f} s wall "
+                  f"({mixed['rate']:.0f} tok/s), rows decoding {mixed['occupancy']:.2f}; "
+                  f"{where(mixed)}", flush=True)
+            print(f"  single-turn alone: {ref['tokens']} tokens in {ref['seconds']:.2f} s wall "
+                  f"({ref['rate']:.0f} tok/s), rows decoding {ref['occupancy']:.2f}; "
+                  f"{where(ref)}", flush=True)
+            print(f"  {warm_runs} warm-up runs; {len(late)} XLA compilations in the timed runs "
+                  f"{sorted(set(late))}; "
+                  f"wall-clock ratio {mixed['rate'] / ref['rate']:.2f}", flush=True)
+            print(f"tool-latency busy fraction: {mixed['cpu_rate'] / ref['cpu_rate']:.2f} "
                   f"(tool latency {latency * 1000:.0f} ms)", flush=True)
     finally:
         engine.close()

@@ -59,14 +59,13 @@ def _first_fit(prompts, width: int):
 
 
 def rows_bucket(n: int) -> int:
-    """Packed prefill rows for n: up to 16 the smallest of 1, 2, 3, 4, 6, 8, 12, 16 >= n,
-    beyond it a multiple of a sixteenth of the next power of two (44 for 42, not 64: padding
-    a prefill costs as much as the prompts it pads)."""
+    """Packed prefill rows for n: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48...
+    (a power of two or three quarters of one) >= n. Two buckets an octave: a prefill pads at
+    most a third of its rows, and a sampler whose admissions vary (rollouts of any size,
+    trajectories returning from their tools one by one) meets few prefill shapes, each
+    compiled once."""
     p = pow2(n)
-    if n <= 16:
-        return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
-    step = p // 16
-    return -(-n // step) * step
+    return 3 * p // 4 if p >= 4 and 3 * p // 4 >= n else p
 
 
 def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, SamplePlan]:

@@ -12,11 +12,11 @@ the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`
    attending only to itself, so padding is what the packing leaves, not every prompt's gap
    to the longest) -> every layer's k/v [L, B, W, K, Dh] and the hidden states [B, W, D]. A
    prompt is prefilled once for its n rows.
-2. `admit`: writes each prompt's keys/values into its slots of the cache rows of its n
-   completions (only those slots, in place: a loop over the layers and completions, so the
-   program holds the prompts' keys/values once, not once per row, and no copy of the cache)
-   and draws each row's first token from the logits after the prompt (draw index 0 of its
-   key).
+2. `admit`: writes each admitted row's prompt keys/values into its slots of the cache (only
+   those slots, in place: a loop over the layers, so the program holds one layer of the rows'
+   keys/values at a time and no copy of the cache) and draws each row's first token from the
+   logits after its prompt (draw index 0 of its key). Its entries are rows, bucketed by
+   count, so the mix of prompts and completions per prompt admitted never sets its shape.
 3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
    stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
    refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
@@ -110,46 +110,45 @@ class Programs:
         h, backend = model.forward_with(tokens, positions, backend)
         return backend.kv, h
 
-    def _admit(self, leaves, cache, pages, kv, hidden, prompt_start, prompt_length, row_slot,
+    def _admit(self, leaves, cache, pages, kv, hidden, row_start, row_length, row_slot,
                params: RowParams, *, plan: sampling.SamplePlan,
                sharding: NamedSharding | None, layout: CacheLayout):
-        """Writes each prompt i (``prompt_length`` [P] tokens from flat packed position
-        ``prompt_start`` [P] of `prefill`'s output) into slots [0, prompt_length[i]) of its
-        cache rows ``row_slot[i]`` [P, J] in every layer (a slot past the cache's rows marks a
-        padding entry: dropped), and draws each row's first token from the hidden state after
-        its prompt. ``params`` are the rows' in ``row_slot``'s order (prompt-major, [P * J]).
-        Returns (cache, tokens, logprobs, stopped), per row. ``pages``: the rows' page tables
-        [R, n] of a paged cache (`paged_cache.PagedLayout`), else None.
+        """Writes each admitted row's prompt (``row_length`` [E] tokens from flat packed
+        position ``row_start`` [E] of `prefill`'s output) into slots [0, row_length[e]) of
+        cache row ``row_slot[e]`` in every layer (a row past the cache's rows marks a padding
+        entry: dropped), and draws each row's first token from the hidden state after its
+        prompt. ``params`` are the rows' [E]. Returns (cache, tokens, logprobs, stopped), per
+        row. ``pages``: the rows' page tables [R, n] of a paged cache
+        (`paged_cache.PagedLayout`), else None.
 
-        Only the prompts' slots are gathered (once per prompt) and written, in place in the
-        donated cache, one layer and completion index at a time: the program holds the
-        prompts' keys and values (at most the packed rows' width each), never a copy of the
-        cache nor one per row. A row's slots past its prompt keep whatever they held (stale
-        and finite, masked until decode writes them)."""
+        The entries are rows, not prompts x completions, so the program's shape is set by
+        how many rows are admitted (bucketed by the scheduler), whatever mix of prompts and
+        completions per prompt they come from: a sampler whose admissions mix a rollout's
+        groups with trajectories returning from their tools runs a few programs, not one per
+        mix. The rows' slots are gathered and written in place in the donated cache one layer
+        at a time: the program holds at most one layer of the admitted rows' keys and values
+        (no more than a layer of the cache), never a copy of the cache. A row's slots past its
+        prompt keep whatever they held (stale and finite, masked until decode writes them)."""
         model = self.model(leaves)
         width = layout.width(cache, pages)
         b, w = hidden.shape[:2]
         t = jnp.arange(min(w, width))
-        # Prompt i's slot t reads packed position start + t; slots past its prompt are dropped.
-        source = jnp.minimum(prompt_start[:, None] + t, b * w - 1)  # [P, T]
-        slot = jnp.where(t < prompt_length[:, None], t, width)  # width: out of range, dropped
-        k, v = (jnp.take(x.reshape(x.shape[0], b * w, *x.shape[3:]), source, axis=1)
-                for x in kv)  # [L, P, T, K, Dh]
+        # Row e's slot t reads packed position start + t; slots past its prompt are dropped.
+        source = jnp.minimum(row_start[:, None] + t, b * w - 1)  # [E, T]
+        slot = jnp.where(t < row_length[:, None], t, width)  # width: out of range, dropped
+        flat = tuple(x.reshape(x.shape[0], b * w, *x.shape[3:]) for x in kv)  # [L, B*W, K, Dh]
 
-        per = row_slot.shape[1]
-
-        def write(i, cache):  # layer i // per, completion i % per
-            layer, j = i // per, i % per
-            cache = layout.write(cache, layer, row_slot[:, j], slot,
-                                 *(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
-                                   for x in (k, v)), pages)
+        def write(layer, cache):
+            k, v = (jnp.take(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), source,
+                             axis=0) for x in flat)  # [E, T, K, Dh]
+            cache = layout.write(cache, layer, row_slot, slot, k, v, pages)
             if sharding is not None:
                 cache = tuple(jax.lax.with_sharding_constraint(x, sharding) for x in cache)
             return cache
 
-        cache = jax.lax.fori_loop(0, k.shape[0] * per, write, tuple(cache))
-        last = jnp.take(hidden.reshape(b * w, -1), prompt_start + prompt_length - 1, axis=0)
-        logits = jnp.repeat(model.logits(last), row_slot.shape[1], axis=0)  # [P * J, V]
+        cache = jax.lax.fori_loop(0, flat[0].shape[0], write, tuple(cache))
+        last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
+        logits = model.logits(last)  # [E, V]
         tokens, logprobs = _draw(logits, params, _row_keys(params),
                                  jnp.zeros(logits.shape[:1], jnp.int32), plan)
         return cache, tokens, logprobs, _is_stop(tokens, params.stop_ids)

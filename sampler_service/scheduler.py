@@ -45,7 +45,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sampler_service import _programs
-from sampler_service._inputs import pack_prompts, pow2, row_params
+from sampler_service._inputs import pack_prompts, row_params
 from sampler_service.kv_cache import CacheShape, SlotCache, bucket_rows, bucket_width
 from sampler_service.paged_cache import PagedCache
 from sampler_service.requests import FinishedGroup, GeneratedSequence, GenerationRequest
@@ -387,8 +387,19 @@ class Scheduler:
             self._prefill_chunk(chunk)
 
     def _chunks(self, admitted: list[_Group]) -> list[list[_Group]]:
-        """``admitted`` in prefill chunks, in order: each the longest run of groups whose
-        packed prompts (`pack_prompts`, padding included) take at most
+        """``admitted`` in prefill chunks: the groups of each size (completions per prompt)
+        apart, in order, each chunk the longest run of them whose packed prompts
+        (`pack_prompts`, padding included) take at most ``prefill_chunk_tokens``, and at least
+        one group. Apart, because a chunk's shapes (its packed rows, its rows admitted) then
+        go together: a rollout's groups and trajectories returning from their tools (one row
+        each), admitted at the same boundary in any mix, meet a few programs, not one per mix.
+        (The order of chunks changes no token: every row's slot is set at admission.)"""
+        sizes = sorted({len(g.rows) for g in admitted})
+        return [chunk for size in sizes
+                for chunk in self._packed_runs([g for g in admitted if len(g.rows) == size])]
+
+    def _packed_runs(self, admitted: list[_Group]) -> list[list[_Group]]:
+        """``admitted`` in runs, in order, each the longest whose packed prompts take at most
         ``prefill_chunk_tokens``, and at least one group."""
         prompts = [g.request.prompts[g.index] for g in admitted]
 
@@ -438,36 +449,35 @@ class Scheduler:
             st["prefill_padded_tokens"] += tokens.size
             st["tokens_generated"] += len(rows)
             self._programs_seen(("prefill", tokens.shape),
-                                ("admit", self.cache.shape, tokens.shape,
-                                 admit_args[2].shape, plan, params.stop_ids.shape))
+                                ("admit", self.cache.shape, tokens.shape, params.stop_ids.shape,
+                                 plan))
 
     def _prefill_inputs(self, chunk: list[_Group]):
         """(prompts, rows, each row's index in admit's rows, prefill's host arguments, admit's
         host arguments after the cache, kv and hidden states, the rows' `SamplePlan`) of one
-        packed prefill of the groups of ``chunk``. Admit's rows are prompt-major: prompt i's
-        completion j at i * J + j, J the most completions of a prompt, both padded to powers
-        of two (fewer admit programs); a padding entry's slot is past the cache (dropped)."""
+        packed prefill of the groups of ``chunk``. Admit's entries are the chunk's rows in
+        order, padded to `bucket_rows` of their count within the cache's rows (a padding
+        entry's slot is past the cache: dropped): with the packed prefill's bucketed shape,
+        what sets which program runs, whatever mix of prompts and completions per prompt
+        makes up the rows."""
         prompts = [g.request.prompts[g.index] for g in chunk]
         tokens, positions, segments, starts = pack_prompts(
             prompts, self.cache.max_width, self.pad_token_id)
-        count, per = pow2(len(chunk)), pow2(max(len(g.rows) for g in chunk))
-        prompt_start = np.zeros(count, np.int32)
-        prompt_length = np.ones(count, np.int32)
         assert self.cache.shape is not None  # laid out for the batch
-        row_slot = np.full((count, per), self.cache.shape.rows, np.int32)
-        rows, order = [], []
+        rows = [row for group in chunk for row in group.rows]
+        entries = bucket_rows(len(rows), self.cache.shape.rows)
+        row_start = np.zeros(entries, np.int32)
+        row_length = np.ones(entries, np.int32)
+        row_slot = np.full(entries, self.cache.shape.rows, np.int32)
+        e = 0
         for i, group in enumerate(chunk):
-            prompt_start[i], prompt_length[i] = starts[i], prompts[i].size
-            for j, row in enumerate(group.rows):
-                row_slot[i, j] = row.slot
-                rows.append(row)
-                order.append(i * per + j)
-        placed = [rows[0]] * (count * per)  # padding entries: any row's parameters
-        for index, row in zip(order, rows, strict=True):
-            placed[index] = row
-        params, plan = row_params(placed, count * per, self.vocab_size)
-        return (prompts, rows, order, (tokens, positions, segments),
-                (prompt_start, prompt_length, row_slot, params), plan)
+            for row in group.rows:
+                row_start[e], row_length[e], row_slot[e] = starts[i], prompts[i].size, row.slot
+                e += 1
+        placed = rows + [rows[0]] * (entries - len(rows))  # padding: any row's parameters
+        params, plan = row_params(placed, entries, self.vocab_size)
+        return (prompts, rows, list(range(len(rows))), (tokens, positions, segments),
+                (row_start, row_length, row_slot, params), plan)
 
     # ------------------------------------------------------------------ decode
 

@@ -130,10 +130,10 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
     marker = 3.0
     cache = tuple(jnp.full(s, marker, jnp.float32) for s in (
         (2, 6, 2, 8, 32), (2, 6, 2, 32, 8)))  # [L, R, K, Dh, S], [L, R, K, S, Dh]
-    # prompt 0 -> rows 2 and 5, prompt 1 -> row 0; padding entries (slot 6: dropped)
-    prompt_start = np.array([starts[0], starts[1]], np.int32)
-    prompt_length = np.array([3, 5], np.int32)
-    row_slot = np.array([[2, 5], [0, 6]], np.int32)
+    # prompt 0 -> rows 2 and 5, prompt 1 -> row 0; a padding entry (slot 6: dropped)
+    row_start = np.array([starts[0], starts[0], starts[1], starts[1]], np.int32)
+    row_length = np.array([3, 3, 5, 5], np.int32)
+    row_slot = np.array([2, 5, 0, 6], np.int32)
     n = row_slot.size
     params = _programs.RowParams(
         seeds=np.zeros((n, 2), np.uint32), sample_ids=np.zeros(n, np.int32),
@@ -143,7 +143,7 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
     if slot_major:
         cache = _as_slot_major(*cache)
     (k_cache, v_cache), tokens, *_ = programs.admit(
-        leaves, cache, None, kv, hidden, prompt_start, prompt_length, row_slot, params,
+        leaves, cache, None, kv, hidden, row_start, row_length, row_slot, params,
         plan=SamplePlan(sampled=False), sharding=None, layout=CacheLayout(slot_major))
     if slot_major:  # back to the CPU layout for the checks below
         k_cache, v_cache = k_cache.transpose(0, 1, 3, 4, 2), v_cache.transpose(0, 1, 3, 2, 4)
