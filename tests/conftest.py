@@ -16,6 +16,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Eight emulated CPU devices for the whole test process, so mesh and sharding tests run
 # in-process; tests that need another count start a subprocess with their own XLA_FLAGS.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# One OpenMP thread per test process (torch as the transformers/peft oracle, numpy's BLAS):
+# `make test` runs one xdist worker per core, and an OpenMP pool of one thread per core in
+# each worker oversubscribes the cores, where its idle threads spin-wait and burn CPU that
+# the other worker's services need. Read when torch is imported, so set before any test
+# module imports it; service processes inherit it (XLA's CPU thread pool does not read it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The converted SmolLM2 checkpoint (538 MB, a minute to make) is kept in the user's SplitRL cache,
