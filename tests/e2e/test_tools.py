@@ -3,7 +3,8 @@ multi-turn episodes of the `lookup` task (splitrl/configs/demo-tools.yaml, what 
 demo-tools` runs), with the tools in isolated worker processes of each sampler.
 
 - A random tiny model learns to call the tool from scratch: the answer is a digit only the tool
-  reveals, so greedy accuracy can rise from ~0 only through tool calls (slow).
+  reveals, so greedy accuracy can rise from ~0 only through tool calls (slow); `splitrl eval`
+  of its export reproduces the run's final evaluation, episodes and all.
 - Two synchronous runs of the same config and seed, one with two samplers and one with one,
   are bitwise equal, tool calls and all (a few steps; slow: the fast suite's variant is the
   episode and environment tests, tests/sampler_service/test_episodes.py and
@@ -14,6 +15,8 @@ demo-tools` runs), with the tools in isolated worker processes of each sampler.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,11 +52,17 @@ def tools_config(model: Path, run_dir: Path, *overrides: str):
                                     *overrides])
 
 
+@pytest.fixture(scope="module")
+def learned(tools_model, tmp_path_factory) -> Path:
+    """The run directory of `make demo-tools`'s config run from the random model."""
+    run_dir = tmp_path_factory.mktemp("learn") / "run"
+    assert launch(tools_config(tools_model, run_dir)) == 0
+    return run_dir
+
+
 @pytest.mark.slow
-def test_a_tiny_model_learns_to_call_the_tool(tools_model, tmp_path):
-    run_dir = tmp_path / "learn"
-    cfg = tools_config(tools_model, run_dir)
-    assert launch(cfg) == 0
+def test_a_tiny_model_learns_to_call_the_tool(learned):
+    run_dir = learned
     summary = json.loads((run_dir / "summary.json").read_text())
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     calls = [round(r.get("episodes/tool_calls", 0.0), 2) for r in curve if "groups" in r]
@@ -70,6 +79,22 @@ def test_a_tiny_model_learns_to_call_the_tool(tools_model, tmp_path):
     assert summary["eval_after/tool_status/ok"] == 1.0
     records = trained_records(run_dir)
     assert all(v == r["trainer_version"] for r in records for v in r["versions"])
+
+
+@pytest.mark.slow
+def test_eval_of_the_tool_task_reproduces_the_runs_after_evaluation(learned, tmp_path):
+    """`splitrl eval` of the run's export runs the episodes the way the run's own final
+    evaluation did (the run's config: its environment, its evaluation split): the same greedy
+    accuracy and tool calls per trajectory."""
+    out = subprocess.run([sys.executable, "-m", "splitrl_app", "eval", str(learned / "export"),
+                          "--k", "", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((learned / "summary.json").read_text())
+    result = json.loads((tmp_path / "eval.json").read_text())
+    for key in ("accuracy", "count", "tool_calls", "turns", "tool_status/ok"):
+        assert result[f"eval/{key}"] == summary[f"eval_after/{key}"], key
+    assert f"greedy accuracy: {summary['eval_after/accuracy']:.3f} on 100 prompts" in out.stdout
 
 
 @pytest.mark.slow
