@@ -4,7 +4,8 @@ All three run the model through its own forward (`CausalLM.forward_with`, a scan
 stacked layers) with an attention backend: prefill with `DenseAttention.keeping_kv` (causal
 over each padded prompt, returning every layer's keys/values, stacked), decode with
 `kv_cache.SlotDecodeAttention` (one token per row, written in place into the row's cache slot
-of each layer). Weights are an argument
+of each layer; on CPU decode runs its layers apart instead of the scan,
+`kv_cache.CacheLayout.layers_apart`). Weights are an argument
 (``state``), never a closure constant, so one compiled program serves every weight version of
 the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`.
 
@@ -180,6 +181,11 @@ def _decode_loop(model, cache, pages, last_token, length, generated, live, param
     """
     rows = last_token.shape[0]
     keys = _row_keys(params)
+    apart = layout.layers_apart
+    layers = None
+    if apart:  # each layer's weights and cache apart, once, outside the step loop
+        layers = model.layer_states()
+        cache = tuple(tuple(x[i:i + 1] for x in cache) for i in range(len(layers)))
 
     def cond(carry):
         i, _, _, _, _, live, _, _, _, _, finished = carry
@@ -188,8 +194,8 @@ def _decode_loop(model, cache, pages, last_token, length, generated, live, param
     def body(carry):
         i, cache, last, length, generated, live, out_tok, out_lp, produced, stopped, finished = (
             carry)
-        backend = SlotDecodeAttention(cache, length, layout, sharding, pages)
-        h, backend = model.forward_with(last[:, None], length[:, None], backend)
+        backend = SlotDecodeAttention(cache, length, layout, sharding, pages, apart)
+        h, backend = model.forward_with(last[:, None], length[:, None], backend, layers=layers)
         tok, lp = _draw(model.logits(h[:, 0]), params, keys, generated, plan)
         out_tok = jax.lax.dynamic_update_slice(out_tok, jnp.where(live, tok, -1)[:, None], (0, i))
         out_lp = jax.lax.dynamic_update_slice(out_lp, jnp.where(live, lp, 0.0)[:, None], (0, i))
@@ -206,4 +212,6 @@ def _decode_loop(model, cache, pages, last_token, length, generated, live, param
              jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), jnp.int32(0))
     carry = jax.lax.while_loop(cond, body, carry)
     _, cache, _, _, _, _, out_tok, out_lp, produced, stopped, _ = carry
+    if apart:
+        cache = tuple(jnp.concatenate(parts) for parts in zip(*cache, strict=True))
     return cache, out_tok, out_lp, produced, stopped

@@ -91,6 +91,19 @@ class CacheLayout:
 
     row_axis = 1
 
+    @property
+    def layers_apart(self) -> bool:
+        """Whether decode runs the layers unrolled over each layer's own weights and cache
+        (split from the stacked arrays once per decode segment), rather than the scan. On CPU
+        (not ``slot_major``): XLA:CPU's matmul and reduction kernels take whole buffers, so a
+        scan copies each layer's weights and keys/values out of the stacked arrays, at every
+        step, before reading them (bench/README.md, issue 37's regression). TPU and GPU fuse
+        the layer's slice into its reader and keep the scan (compile time flat in depth).
+        The price on CPU: while a decode segment runs it holds the weights and the cache
+        twice (the stacked arrays and the layers' copies), which `fits` does not count, and
+        its compile time grows with depth (bench/compile_depth.py prints both decodes)."""
+        return not self.slot_major
+
     def width(self, cache: tuple, pages=None) -> int:
         """Slots per row of ``cache`` (``pages``: the paged layout's; unused here)."""
         return cache[0].shape[self.slot_axes[0]]
@@ -303,22 +316,28 @@ class SlotDecodeAttention:
     """The `splitrl.models` attention backend of one decode step over a `SlotCache`.
 
     Each row feeds one token: its key/value is written in place at slot ``write[r]`` of its
-    row in layer ``layer`` (a traced index: the model scans its layers), then the query
-    attends to the row's slots ``< write[r] + 1`` of that layer.
+    row in layer ``layer``, then the query attends to the row's slots ``< write[r] + 1`` of
+    that layer. ``cache`` is the cache's (keys, values), stacked over the layers (the model
+    scans its layers: ``layer`` is a traced index), or, with ``apart``, one (keys, values)
+    pair per layer, each with a layer axis of 1 (the layers unrolled: ``layer`` a Python int;
+    see `CacheLayout.layers_apart`).
     """
 
-    cache: tuple  # (keys, values) as ``layout`` lays them out
+    cache: tuple  # (keys, values) as ``layout`` lays them out; ``apart``: one pair per layer
     write: jax.Array  # [R] int32
     layout: CacheLayout = dataclasses.field(default=CacheLayout(False),
                                             metadata=dict(static=True))
     sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
     pages: jax.Array | None = None  # [R, n] int32 page tables (`paged_cache.PagedLayout`)
+    apart: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def attend(self, layer, q, k, v):
+        cache, index = (self.cache[layer], 0) if self.apart else (self.cache, layer)
         rows = jnp.arange(self.write.shape[0])
-        cache = self.layout.write(self.cache, layer, rows, self.write[:, None], k, v,
-                                  self.pages)
+        cache = self.layout.write(cache, index, rows, self.write[:, None], k, v, self.pages)
         if self.sharding is not None:
             cache = tuple(jax.lax.with_sharding_constraint(x, self.sharding) for x in cache)
-        out = self.layout.attend(q[:, 0], cache, layer, self.write + 1, self.pages)
+        out = self.layout.attend(q[:, 0], cache, index, self.write + 1, self.pages)
+        if self.apart:
+            cache = self.cache[:layer] + (cache,) + self.cache[layer + 1:]
         return out[:, None], dataclasses.replace(self, cache=cache)

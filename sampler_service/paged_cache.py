@@ -76,6 +76,7 @@ class PagedLayout:
     mesh: Mesh | None = None
 
     head_axis = 1
+    layers_apart = False  # decode scans the layers (`kv_cache.CacheLayout.layers_apart`)
 
     def __post_init__(self):
         check_page_size(self.page_size)

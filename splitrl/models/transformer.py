@@ -5,7 +5,9 @@ The module tree mirrors HF's `XForCausalLM` (`model.embed_tokens`, `model.layers
 the decoder layers are ONE `DecoderLayer` whose parameters are stacked on a leading layer
 axis (`model.layers.self_attn.q_proj.weight` [L, in, out], see `stacking.py`) and applied by
 `jax.lax.scan`: every program (train step, prefill, decode) traces and compiles one layer body,
-so compile time and program size do not grow with depth (MaxText's ``scan_layers``).
+so compile time and program size do not grow with depth (MaxText's ``scan_layers``). A caller
+can run the layers unrolled instead (`forward_with`'s ``layers``), as the sampler's decode does
+on CPU, where a scan copies each layer's weights out of the stack before its matmuls.
 
 Calling convention (shared by trainer and sampler):
 
@@ -141,17 +143,26 @@ class CausalLM(nnx.Module):
         h, backend = self.forward_with(tokens, positions, backend)
         return h, (None if cache is None else backend.cache)
 
-    def forward_with(self, tokens, positions, attention: AttentionBackend):
+    def forward_with(self, tokens, positions, attention: AttentionBackend, *,
+                     layers: list | None = None):
         """The forward with a caller's attention backend (see `attention.py`): embeddings, every
         decoder layer (attending through ``attention``) and the final norm.
 
         tokens/positions [B,T] int32 (RoPE positions). Returns (hidden [B,T,D], the backend
         after the last layer). A generation engine passes its own cache layout here, so the
         model's forward exists once for training, prefill and decode.
+
+        ``layers`` (`layer_states`: one state per layer) runs the layers one after the other,
+        unrolled, each with its own weights (``attention`` then gets a Python int for the
+        layer), instead of the scan over the stacked weights (a traced index).
         """
         cos, sin = rope_tables(inv_frequencies(self.config), positions)
         x = self.model.embed_tokens(tokens)
-        graphdef, layers = nnx.split(self.model.layers)
+        graphdef, stacked = nnx.split(self.model.layers)
+        if layers is not None:
+            for index, layer_state in enumerate(layers):
+                x, attention = nnx.merge(graphdef, layer_state)(x, cos, sin, attention, index)
+            return self.model.norm(x), attention
 
         def layer_step(carry, layer_state):
             x, attention, index = carry
@@ -161,9 +172,17 @@ class CausalLM(nnx.Module):
         policy = REMAT_POLICIES[self.remat]
         if policy is not None:
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
-        (x, attention, _), _ = jax.lax.scan(layer_step, (x, attention, jnp.int32(0)), layers,
+        (x, attention, _), _ = jax.lax.scan(layer_step, (x, attention, jnp.int32(0)), stacked,
                                             unroll=_layer_unroll())
         return self.model.norm(x), attention
+
+    def layer_states(self) -> list:
+        """Each decoder layer's weights apart (copies sliced out of the stacked ones), for
+        `forward_with`'s ``layers``: a program that runs the layers many times (a decode loop)
+        slices them once, before its loop, instead of once per layer and step."""
+        stacked = nnx.state(self.model.layers)
+        return [jax.tree.map(lambda w, i=i: w[i], stacked)
+                for i in range(self.config.num_layers)]
 
 
 def _layer_unroll() -> bool | int:
