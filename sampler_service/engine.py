@@ -205,8 +205,7 @@ class GenerationEngine:
         return {"queued_sequences": sum(s.waiting_sequences() for s in self.schedulers),
                 "active_sequences": sum(s.active_sequences() for s in self.schedulers),
                 "kv_cache_bytes": sum(cache.allocated_bytes for cache in self.caches),
-                "kv_pages_in_use": sum(cache.pages_in_use for cache in self.caches
-                                       if isinstance(cache, PagedCache))}
+                "kv_pages_in_use": sum(cache.pages_in_use for cache in self.caches)}
 
     # ------------------------------------------------------------------ weights
 

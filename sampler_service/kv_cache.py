@@ -214,6 +214,21 @@ class SlotCache:
                 return rows
         return 0
 
+    # -- pages: the paged cache's protocol (`paged_cache.PagedCache`), which a row that owns
+    # its slots does not need: the scheduler calls both caches alike
+
+    pages_in_use = 0
+
+    def grow(self, pages: list[int], tokens: int) -> None:
+        """Nothing to take: a row's slots are its own (a page pool gives it pages here)."""
+
+    def free(self, pages: list[int]) -> None:
+        """Nothing to return: a finished row's slots go with the row."""
+
+    def page_table(self, rows: list[list[int] | None]) -> None:
+        """No page tables: the programs index the rows' own slots."""
+        return None
+
     def _account(self, nbytes: int) -> None:
         self.allocated_bytes = nbytes
         self.peak_bytes = max(self.peak_bytes, nbytes)

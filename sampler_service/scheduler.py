@@ -217,9 +217,7 @@ class Scheduler:
             self.weights = None  # an exclusive request keeps its weights to its end
 
     def _drop(self, slot: int) -> None:
-        row = self.rows.pop(slot)
-        if isinstance(self.cache, PagedCache):
-            self.cache.free(row.pages)
+        self.cache.free(self.rows.pop(slot).pages)
 
     # ------------------------------------------------------------------ 2. weights
 
@@ -337,9 +335,8 @@ class Scheduler:
         rows_b = bucket_rows(count, self.cache.max_rows)
         needs = {slot: self._segment_need(row) for slot, row in self.rows.items()}
         shape = CacheShape(rows_b, bucket_width(max(needs.values()), self.cache.max_width))
-        if isinstance(self.cache, PagedCache):
-            for slot, row in self.rows.items():
-                self.cache.grow(row.pages, needs[slot])
+        for slot, row in self.rows.items():
+            self.cache.grow(row.pages, needs[slot])
         fresh = {id(r) for r in new_rows}
         old = sorted((row.slot, row) for row in self.rows.values() if id(row) not in fresh)
         sources = None
@@ -540,9 +537,7 @@ class Scheduler:
 
     def _page_table(self):
         """A paged cache's page tables of the cache's rows (`PagedCache.page_table`), else
-        None."""
-        if not isinstance(self.cache, PagedCache):
-            return None
+        None (`SlotCache.page_table`)."""
         return self.cache.page_table([self.rows[s].pages if s in self.rows else None
                                       for s in range(self.cache.shape.rows)])
 
