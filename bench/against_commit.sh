@@ -43,7 +43,7 @@ for r in $(seq 1 "$rounds"); do
       --skip-uniform --skip-long-tail --prompts 16 --new-tokens 64 --skip-transformers \
       ${REAL_ARGS:-} > "$out/$tag-$r-real.txt" 2>&1
     /usr/bin/time -f "$time_fmt" -o "$out/$tag-$r-peers.time" "$py" bench/step_breakdown.py \
-      --config ../shared/peers/splitrl_common.yaml > "$out/$tag-$r-peers.txt" 2>&1
+      --config "$here/../shared/peers/splitrl_common.yaml" > "$out/$tag-$r-peers.txt" 2>&1
   done
 done
 echo "outputs in $out"
