@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -51,15 +49,20 @@ from splitrl.models import (
     CausalLM,
     abstract_model,
     hf_from_state,
-    left_pad_positions,
     state_from_hf,
-    token_logprobs,
 )
 from splitrl.models import lora as lora_lib
 from splitrl.models.lora import LoraSpec
 from trainer_service.learning import losses
 from trainer_service.learning.first_runs import FirstRuns
 from trainer_service.learning.optim import make_optimizer
+from trainer_service.learning.programs import (
+    ForwardSpec,
+    Layout,
+    apply_update,
+    forward,
+    grad_step,
+)
 
 Params = dict[str, jax.Array]
 
@@ -207,8 +210,8 @@ class Learner:
         self._zero_grads = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree),
                                    out_shardings=self.param_shardings)
         self._opt_shardings = self._optimizer_shardings()
-        self._layout = _Layout.of(self.param_shardings)
-        self._opt_layout = _Layout.of(self._opt_shardings)
+        self._layout = Layout.of(self.param_shardings)
+        self._opt_layout = Layout.of(self._opt_shardings)
         if self.abstract:
             self.opt_state = self._place(jax.eval_shape(self.tx.init, self.params),
                                          self._opt_shardings)
@@ -216,7 +219,7 @@ class Learner:
             self.opt_state = jax.jit(self.tx.init, out_shardings=self._opt_shardings)(
                 self.params)
         # Hashable static descriptions: learners with equal settings share compiled steps.
-        self._spec = _ForwardSpec(self._graphdef, self.config, logprob_chunk_size, temperature,
+        self._spec = ForwardSpec(self._graphdef, self.config, logprob_chunk_size, temperature,
                                   lora)
         self._settings = tuple(sorted(self.loss_settings.items()))
 
@@ -277,7 +280,7 @@ class Learner:
             grads, old, loss_metrics = self._accumulate_gradients(micro_batches, old, ref, counts,
                                                                   epoch)
             self.params, self.opt_state, grad_norm = self.first_runs.call(
-                _apply_update, 3, self.tx, self._layout, self._opt_layout, self.params,
+                apply_update, 3, self.tx, self._layout, self._opt_layout, self.params,
                 self.opt_state, grads
             )
             per_epoch.append({**loss_metrics, "grad_norm": float(grad_norm), "lr": lr})
@@ -303,7 +306,7 @@ class Learner:
         grads, _, _ = self._accumulate_gradients(mb, None, [self._reference_logprobs(mb[0])],
                                                  counts)
         # The update donates params and optimizer state: compiled, not run.
-        _apply_update.lower(self.tx, self._layout, self._opt_layout, self.params,
+        apply_update.lower(self.tx, self._layout, self._opt_layout, self.params,
                             self.opt_state, grads).compile()
 
     def _accumulate_gradients(self, micro_batches, old, ref, counts, epoch=0):
@@ -315,7 +318,7 @@ class Learner:
         for i, mb in enumerate(micro_batches):
             with self._on_mesh():
                 grads, logp, m = self.first_runs.call(
-                    _grad_step, 3, self._spec, self._settings, self._layout, grads,
+                    grad_step, 3, self._spec, self._settings, self._layout, grads,
                     self.base_params, self.params, mb,
                     _placeholder(mb) if first_epoch else old[i], first_epoch, ref[i], counts,
                     self._dropout_key(epoch, i),
@@ -398,18 +401,18 @@ class Learner:
         ref = None if self.algorithm.beta <= 0 else logp
         with self._on_mesh():
             lowered = {
-                "grad_step": _grad_step.lower(
+                "grad_step": grad_step.lower(
                     self._spec, self._settings, self._layout, params, base, params, mb, logp,
                     scalar(jnp.bool_), ref, counts, self._dropout_key(0, 0),
                 ),
-                "apply_update": _apply_update.lower(self.tx, self._layout, self._opt_layout,
+                "apply_update": apply_update.lower(self.tx, self._layout, self._opt_layout,
                                                     params, opt_state, params),
             }
             if self.lora is not None and self.algorithm.beta > 0:  # the base, adapters off
-                lowered["reference_logprobs"] = _forward.lower(
+                lowered["reference_logprobs"] = forward.lower(
                     self._spec._replace(lora=None), None, base, mb)
             elif self.ref_params is not None:
-                lowered["reference_logprobs"] = _forward.lower(
+                lowered["reference_logprobs"] = forward.lower(
                     self._spec, None, abstract(self.ref_params), mb)
         return lowered
 
@@ -418,9 +421,9 @@ class Learner:
             return None
         with self._on_mesh():
             if self.lora is not None:  # the base model, adapters off
-                return self.first_runs.call(_forward, 1, self._spec._replace(lora=None), None,
+                return self.first_runs.call(forward, 1, self._spec._replace(lora=None), None,
                                             self.base_params, mb)[0]
-            return self.first_runs.call(_forward, 1, self._spec, None, self.ref_params, mb)[0]
+            return self.first_runs.call(forward, 1, self._spec, None, self.ref_params, mb)[0]
 
     def _micro_batches(self, batch: TrainBatch, completion_mask) -> list[dict[str, jax.Array]]:
         """Split into micro-batches of equal size (the last padded with fully masked rows, so
@@ -531,7 +534,7 @@ class Learner:
         mb = {"tokens": jax.device_put(np.asarray(batch.tokens, np.int32), rows),
               "attention_mask": jax.device_put(np.asarray(batch.attention_mask, bool), rows)}
         with self._on_mesh():
-            lp = np.asarray(_forward(self._spec, self.base_params, self.params, mb)[0])
+            lp = np.asarray(forward(self._spec, self.base_params, self.params, mb)[0])
         return np.concatenate([np.zeros((lp.shape[0], 1), lp.dtype), lp], axis=1)
 
     def train_state(self) -> dict[str, Any]:
@@ -551,88 +554,6 @@ class Learner:
         self.params = jax.device_put(state["params"], self.param_shardings)
         self.opt_state = jax.device_put(state["opt_state"], self._opt_shardings)
         self.version = int(version)
-
-
-class _ForwardSpec(NamedTuple):
-    graphdef: Any
-    config: Any  # TransformerConfig
-    chunk_size: int
-    temperature: float
-    lora: LoraSpec | None = None
-
-
-def _policy(spec: _ForwardSpec, base: Params | None, params: Params, dropout_key=None):
-    """The policy model inside a jit: `params` merged into the graph, or with LoRA the base
-    with `params` (the adapters) attached to its targeted Linear modules."""
-    if spec.lora is None:
-        return nnx.merge(spec.graphdef, state_from_hf(spec.config, params))
-    assert base is not None  # the frozen base of a LoRA policy
-    model = nnx.merge(spec.graphdef, state_from_hf(spec.config, base))
-    return lora_lib.attach(model, spec.lora, params, dropout_key)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(spec: _ForwardSpec, base: Params | None, params: Params,
-             mb: dict[str, jax.Array], dropout_key=None):
-    """(logprobs, entropy) [b, T-1] of tokens[:, 1:] given their prefixes (chunked)."""
-    model = _policy(spec, base, params, dropout_key)
-    tokens, mask = mb["tokens"], mb["attention_mask"]
-    positions = left_pad_positions(mask)
-    return token_logprobs(
-        model, tokens[:, :-1], tokens[:, 1:], positions[:, :-1], mask[:, :-1],
-        chunk_size=spec.chunk_size, temperature=spec.temperature,
-    )
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
-def _grad_step(spec, settings, layout, grads_acc, base, params, mb, old, first_epoch, ref,
-               counts, dropout_key):
-    """grads_acc + d(loss)/d(params) on one micro-batch, laid out as the parameters (``layout``);
-    also its logprobs and metrics."""
-
-    def loss_fn(p):
-        logp, entropy = _forward(spec, base, p, mb, dropout_key)
-        old_logp = jnp.where(first_epoch, jax.lax.stop_gradient(logp), old)
-        loss, metrics = losses.compute_loss(
-            logp, old_logp, mb["advantages"], mb["completion_mask"][:, 1:], **dict(settings),
-            ref=ref, sampler=mb["sampler_logprobs"][:, 1:], entropy=entropy,
-            num_tokens=counts["num_tokens"], num_sequences=counts["num_sequences"],
-        )
-        return loss, (jax.lax.stop_gradient(logp), metrics)
-
-    (_, (logp, metrics)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    summed = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, grads_acc, grads),
-                                              layout.tree())
-    return summed, logp, metrics
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(3, 4))
-def _apply_update(tx, layout, opt_layout, params, opt_state, grads):
-    """One optax update; returns the new params and state, laid out as before (``layout``,
-    ``opt_layout``), and the pre-clip gradient norm."""
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates),
-                                              layout.tree())
-    opt_state = jax.lax.with_sharding_constraint(opt_state, opt_layout.tree())
-    return params, opt_state, optax.tree.norm(grads)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """A pytree's shardings as a static (hashable) argument. The jitted steps pin their outputs
-    to it: left to XLA, an output's sharding can differ from its input's (``P(None, None)`` in,
-    ``P(None, 'fsdp')`` out), and the next call with it compiles the program again."""
-
-    treedef: Any
-    leaves: tuple
-
-    @classmethod
-    def of(cls, shardings) -> _Layout:
-        leaves, treedef = jax.tree.flatten(shardings)
-        return cls(treedef, tuple(leaves))
-
-    def tree(self):
-        return jax.tree.unflatten(self.treedef, self.leaves)
 
 
 def _placeholder(mb: dict[str, jax.Array]) -> jax.Array:
