@@ -418,7 +418,7 @@ class Scheduler:
         return chunks
 
     def _prefill_chunk(self, chunk: list[_Group]) -> None:
-        prompts, rows, order, prefill_args, admit_args, plan = self._prefill_inputs(chunk)
+        prompts, rows, prefill_args, admit_args, plan = self._prefill_inputs(chunk)
         tokens = prefill_args[0]
         assert self.weights is not None and self.weights.programs is not None  # adopted
         assert self.cache.shape is not None  # laid out for the batch
@@ -430,7 +430,7 @@ class Scheduler:
             layout=self.cache.layout)
         params = admit_args[-1]
         tok, lp, stopped = jax.device_get((tok, lp, stopped))
-        for j, row in zip(order, rows, strict=True):
+        for j, row in enumerate(rows):  # admit's entry j is rows[j]
             row.length = row.prompt_len
             row.tokens.append(int(tok[j]))
             row.logprobs.append(float(lp[j]))
@@ -450,13 +450,12 @@ class Scheduler:
                                  plan))
 
     def _prefill_inputs(self, chunk: list[_Group]):
-        """(prompts, rows, each row's index in admit's rows, prefill's host arguments, admit's
-        host arguments after the cache, kv and hidden states, the rows' `SamplePlan`) of one
-        packed prefill of the groups of ``chunk``. Admit's entries are the chunk's rows in
-        order, padded to `bucket_rows` of their count within the cache's rows (a padding
-        entry's slot is past the cache: dropped): with the packed prefill's bucketed shape,
-        what sets which program runs, whatever mix of prompts and completions per prompt
-        makes up the rows."""
+        """(prompts, rows, prefill's host arguments, admit's host arguments after the cache, kv
+        and hidden states, the rows' `SamplePlan`) of one packed prefill of the groups of
+        ``chunk``. Admit's entries are the chunk's rows in order, padded to `bucket_rows` of
+        their count within the cache's rows (a padding entry's slot is past the cache:
+        dropped): with the packed prefill's bucketed shape, what sets which program runs,
+        whatever mix of prompts and completions per prompt makes up the rows."""
         prompts = [g.request.prompts[g.index] for g in chunk]
         tokens, positions, segments, starts = pack_prompts(
             prompts, self.cache.max_width, self.pad_token_id)
@@ -473,7 +472,7 @@ class Scheduler:
                 e += 1
         placed = rows + [rows[0]] * (entries - len(rows))  # padding: any row's parameters
         params, plan = row_params(placed, entries, self.vocab_size)
-        return (prompts, rows, list(range(len(rows))), (tokens, positions, segments),
+        return (prompts, rows, (tokens, positions, segments),
                 (row_start, row_length, row_slot, params), plan)
 
     # ------------------------------------------------------------------ decode
