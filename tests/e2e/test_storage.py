@@ -118,9 +118,11 @@ def test_a_run_directory_that_fills_up_stays_readable_and_the_restart_loses_noth
     twice"). Here the disk is filled by hand after step 3, with the checkpoints on it too."""
     disk = small_disk("64m")
     run_dir = disk / "run"
-    cfg = run_config(arith_model, run_dir, "trainer.steps=8", "trainer.checkpoint.every=50",
-                     *SHORT)
-    first = Launcher(cfg)
+    options = (arith_model, run_dir, "trainer.checkpoint.every=50", *SHORT)
+    # The first run has more steps than it can take before the disk fills (it stops at the
+    # first write after the fill); with 8, a run at step 3 when polled could end before the
+    # fill and exit 0.
+    first = Launcher(run_config(*options, "trainer.steps=1000"))
     try:
         first.up()
         wait_for(lambda: status_step(first) >= 3, 300, "step 3", first)
@@ -140,8 +142,8 @@ def test_a_run_directory_that_fills_up_stays_readable_and_the_restart_loses_noth
     records = read_jsonl(run_dir / "metrics.jsonl")  # readable: no torn line breaks it
     assert records and (run_dir / "metrics.jsonl").read_bytes().endswith(b"\n")
 
-    filler.unlink()  # space again: the same command starts over from step 0
-    again = Launcher(cfg)
+    filler.unlink()  # space again: the command, now for 8 steps, starts over from step 0
+    again = Launcher(run_config(*options, "trainer.steps=8"))
     try:
         again.up()
         assert wait_exit(again, "trainer", 600) == 0, tail(run_dir / "logs" / "trainer.log")
