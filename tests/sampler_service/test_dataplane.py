@@ -227,41 +227,28 @@ def test_a_push_its_sender_gave_up_on_is_never_applied(sampler):
     pid = proc.proc.pid
     cancelled = _metric(proc, 'splitrl_sampler_pushes_total{code="CANCELLED"}')
 
-    # gRPC: the whole stream is in the sampler's handler when the sampler stops; the trainer's
-    # deadline passes, and then the sampler's copy of it (gRPC sends the timeout rounded up and
-    # the sampler counts it from when the call arrived, so it ends a little later: measured up
-    # to 0.14 s, and a push ending in between is applied, see docs/weight-sync.md); the
-    # sampler resumes and must not swap the push in.
+    # gRPC: the whole stream is in the sampler's handler when the sampler stops; the sender
+    # gives up (cancels the call, as a trainer's deadline does; a fixed deadline here would
+    # race the sampler's start of the handler on a busy machine); the sampler resumes and must
+    # not swap the push in.
     messages = list(wire.iter_push_messages(
         _random_params(info, 5), 3, max_chunk_bytes=MAX_CHUNK,
         target_shardings=wire.layouts_from_info(info), sender="pytest"))
-    release, errors = threading.Event(), []
+    release = threading.Event()
     log_size = proc.log_path.stat().st_size
 
     def held():
         yield from messages
-        release.wait(60)
+        release.wait(60)  # the stream stays open: the push is never complete
 
-    def push():
-        try:
-            stub.PushWeights(held(), timeout=4.0)
-        except grpc.RpcError as e:
-            errors.append(e)
-
-    pusher = threading.Thread(target=push)
-    pusher.start()
-    started = _wait_for(lambda: _push_started(proc, log_size), 30,
-                        "the sampler to start receiving the push")
-    sampler_deadline = started["deadline"]
+    call = stub.PushWeights.future(held())
+    _wait_for(lambda: _push_started(proc, log_size), 30, "the sampler to start receiving the push")
     time.sleep(0.5)  # let it take in the rest (the outcome below must not depend on it)
     os.kill(pid, signal.SIGSTOP)
     try:
-        release.set()
-        pusher.join(30)
-        assert errors and errors[0].code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        while time.time() <= sampler_deadline:
-            time.sleep(0.01)
+        assert call.cancel()
     finally:
+        release.set()
         os.kill(pid, signal.SIGCONT)
     _wait_for(lambda: _metric(proc, 'splitrl_sampler_pushes_total{code="CANCELLED"}')
               > cancelled, 30, "the sampler to drop the push")
