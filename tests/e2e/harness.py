@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,6 +21,23 @@ def run_config(model_dir: Path, run_dir: Path, *overrides: str) -> Config:
         demo_config_path(),
         [f"model.path={model_dir}", f"trainer.run_dir={run_dir}", *overrides],
     )
+
+
+def gsm8k_train_lines_by(key, tokenizer, data, gsm8k: Path, scanned: int) -> dict:
+    """The first ``scanned`` lines of ``gsm8k``/train.jsonl grouped by ``key(n)``, n the number
+    of tokens the sampler encodes the line's prompt to (``data``'s task options and chat
+    template applied): what a test picks rows of one prompt shape from, in file order."""
+    from splitrl.tasks import get_task
+    from splitrl.tokenizer import encode_prompt
+
+    rows = get_task(data.task, path=gsm8k, **data.options).rows("train")
+    lines = (gsm8k / "train.jsonl").read_text().splitlines()[:scanned]
+    grouped: dict = {}
+    for index, line in enumerate(lines):
+        ids = encode_prompt(tokenizer, rows[index]["prompt"],
+                            use_chat_template=data.chat_template)
+        grouped.setdefault(key(len(ids)), []).append(line)
+    return grouped
 
 
 def wait_for(predicate, timeout_s: float, what: str, launcher: Launcher | None = None):
@@ -101,16 +119,14 @@ def log_records(path: Path) -> list[dict]:
 
 
 def wait_exit(launcher: Launcher, name: str, timeout_s: float) -> int:
+    """The exit code of the launcher's service ``name``, as soon as it exits (a blocking wait,
+    not a poll: no fraction of a poll interval is lost after the exit)."""
     proc = launcher.procs[name]
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"{name} still running after {timeout_s:.0f}s:\n" + tail(launcher.log_dir /
-                                                                          f"{name}.log")
-            )
-        time.sleep(0.5)
-    return proc.returncode
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{name} still running after {timeout_s:.0f}s:\n"
+                             + tail(launcher.log_dir / f"{name}.log")) from None
 
 
 def adapter_logits(base_dir: Path, export: Path, tokens) -> tuple:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +35,14 @@ import pytest
 
 from splitrl.config import load_config
 from splitrl_app.launch.supervisor import Launcher
-from tests.e2e.harness import adapter_logits, log_records, tail, trained_records, wait_exit
+from tests.e2e.harness import (
+    adapter_logits,
+    gsm8k_train_lines_by,
+    log_records,
+    tail,
+    trained_records,
+    wait_exit,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -59,19 +65,9 @@ def one_length_gsm8k(smollm2_tokenizer, shared_data, tmp_path_factory) -> Path:
     """A GSM8K folder whose train.jsonl holds the ``STEPS x prompts_per_step`` questions the
     runs draw: rows of the shipped GSM8K train split that the sampler encodes (the recipe's
     instruction appended, the chat template) to one length, the shortest such length."""
-    from splitrl.tasks import get_task
-    from splitrl.tokenizer import encode_prompt
-
     trainer = load_config(EXAMPLE, list(BUDGET)).trainer
-    data = trainer.data
-    task = get_task(data.task, path=shared_data / "gsm8k", **data.options)
-    rows = task.rows("train")
-    records = (shared_data / "gsm8k" / "train.jsonl").read_text().splitlines()[:SCANNED]
-    by_length = defaultdict(list)
-    for index, record in enumerate(records):
-        ids = encode_prompt(smollm2_tokenizer, rows[index]["prompt"],
-                            use_chat_template=data.chat_template)
-        by_length[len(ids)].append(record)
+    by_length = gsm8k_train_lines_by(lambda n: n, smollm2_tokenizer, trainer.data,
+                                     shared_data / "gsm8k", SCANNED)
     needed = STEPS * trainer.prompts_per_step
     shared = [n for n, rows in by_length.items() if len(rows) >= needed]
     assert shared, {n: len(r) for n, r in by_length.items()}
