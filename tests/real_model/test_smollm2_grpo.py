@@ -6,8 +6,8 @@ and no evaluations; once as a full fine-tune, once with LoRA adapters.
 
 Each run: every step's loss is finite; each step's weights are pushed and the second step
 trains on completions of the first step's weights; after the run the sampler serves the final
-version, and its greedy logprobs are those of the export in transformers (for LoRA: of the
-exported adapter loaded with peft on the base), far from the base model's; and the export
+version, and the logprobs of its completions are those of the export in transformers (for LoRA:
+of the exported adapter loaded with peft on the base), far from the base model's; and the export
 loads in transformers (peft) with logits equal to SplitRL's own forward of it, by the parity
 test's measure (tests/real_model/test_smollm2_parity.py: |diff| <= 2e-5 x the logits' scale).
 
@@ -56,7 +56,6 @@ MODES = {
     "full": ("trainer.optimizer.lr=1e-4",),
     "lora": ("model.lora.rank=8", "trainer.optimizer.lr=1e-3"),
 }
-SERVED_TOKENS = 8  # greedy tokens asked of the sampler after the run
 SCANNED = 400  # GSM8K training rows searched for prompts of one length
 
 
@@ -77,9 +76,20 @@ def one_length_gsm8k(smollm2_tokenizer, shared_data, tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def train_prompt(one_length_gsm8k, smollm2_tokenizer) -> list[int]:
+    """The runs' first training question as the sampler encodes it (the runs' prompt length)."""
+    from splitrl.tasks import get_task
+    from splitrl.tokenizer import encode_prompt
+
+    data = load_config(EXAMPLE, list(BUDGET)).trainer.data
+    row = get_task(data.task, path=one_length_gsm8k, **data.options).rows("train")[0]
+    return encode_prompt(smollm2_tokenizer, row["prompt"], use_chat_template=data.chat_template)
+
+
 @pytest.mark.timeout(3600)  # a cold start compiles the sampler's and trainer's 30-layer programs
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_grpo_on_gsm8k_pushes_serves_and_exports(mode, smollm2, hf_smollm2, chat_prompts,
+def test_grpo_on_gsm8k_pushes_serves_and_exports(mode, smollm2, hf_smollm2, train_prompt,
                                                  one_length_gsm8k, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(EXAMPLE, [f"model.path={smollm2}", f"trainer.run_dir={run_dir}",
@@ -91,7 +101,7 @@ def test_grpo_on_gsm8k_pushes_serves_and_exports(mode, smollm2, hf_smollm2, chat
         launcher.up()
         assert wait_exit(launcher, "trainer", 3600) == 0, tail(launcher.log_dir / "trainer.log")
         trained_s = time.monotonic() - started
-        served = _greedy(launcher.sampler_addresses[0], cfg, chat_prompts[0])
+        served = _served(launcher.sampler_addresses[0], cfg, train_prompt)
     finally:
         launcher.stop()
     print(f"\n{mode}: GRPO on GSM8K, {STEPS} steps with SmolLM2-135M-Instruct: "
@@ -111,8 +121,10 @@ def test_grpo_on_gsm8k_pushes_serves_and_exports(mode, smollm2, hf_smollm2, chat
               if r.get("msg") == "sampler synced" and r.get("ok")}
     assert served.weight_version == STEPS, (served.weight_version, synced)
 
-    [completion] = served.outputs[0].completions
-    tokens = chat_prompts[0] + list(completion.token_ids)
+    completions = served.outputs[0].completions
+    assert len(completions) == cfg.algorithm.group_size
+    completion = completions[0]
+    tokens = train_prompt + list(completion.token_ids)
     export = run_dir / "export"
     if mode == "lora":
         theirs, merged, ours = adapter_logits(smollm2, export, [tokens])
@@ -132,21 +144,25 @@ def test_grpo_on_gsm8k_pushes_serves_and_exports(mode, smollm2, hf_smollm2, chat
     served_diff = float(np.abs(logprobs - _token_logprobs(theirs, tokens, n)).max())
     base_diff = float(np.abs(logprobs - _token_logprobs(base, tokens, n)).max())
     print(f"{mode}: export logits, SplitRL vs transformers{' + peft' * (mode == 'lora')}: "
-          f"max |diff| {diff:.2e} (scale {scale:.1f}); the sampler's greedy logprobs vs the "
+          f"max |diff| {diff:.2e} (scale {scale:.1f}); the sampler's logprobs vs the "
           f"export's: {served_diff:.2e}, vs the base model's: {base_diff:.2e}")
     assert served_diff <= 4e-5 * scale
     assert base_diff >= 10 * 4e-5 * scale
 
 
-def _greedy(address: str, cfg, prompt: list[int]):
-    """The sampler's greedy completion of ``prompt`` (Generate), with its logprobs."""
+def _served(address: str, cfg, prompt: list[int]):
+    """The sampler's completions of ``prompt`` (Generate) with the logprobs of their tokens,
+    asked with the run's own sampling parameters (as the trainer sends them) and group size for
+    a prompt of the runs' length: the programs the rollouts compiled serve it. A greedy request
+    is another sampling plan, for which the sampler would compile its 30-layer programs again;
+    logprobs of sampled tokens compare with the export's logits all the same."""
     from splitrl.serving import make_channel
     from splitrl.v1 import common_pb2, sampler_pb2, sampler_pb2_grpc
+    from trainer_service.orchestration.dispatcher import sampling_params
 
     request = sampler_pb2.GenerateRequest(
         prompts=[common_pb2.Prompt(prompt_id="served", token_ids=prompt)],
-        sampling=common_pb2.SamplingParams(temperature=0.0, greedy=True,
-                                           max_new_tokens=SERVED_TOKENS), n=1)
+        sampling=sampling_params(cfg.sampling), n=cfg.algorithm.group_size)
     with make_channel(address, auth=cfg.services.auth) as channel:
         return sampler_pb2_grpc.SamplerStub(channel).Generate(request, timeout=600)
 
