@@ -314,21 +314,18 @@ def _wait_trainers(launcher, timeout_s: float) -> None:
 
 
 @pytest.mark.slow
-def test_two_process_trainer_runs_pushes_checkpoints_and_resumes(tmp_path):
+def test_two_process_trainer_runs_pushes_checkpoints_and_resumes(arith_model, tmp_path):
     """Reward service + one sampler + a 2-process trainer through the CLI: 3 steps with a
     checkpoint at step 2, then both processes are started again and resume to step 4."""
     import grpc
 
-    from splitrl.init_model import init_model
     from splitrl.serving import check_health, make_channel
     from splitrl.v1 import trainer_pb2, trainer_pb2_grpc
     from splitrl_app.launch.supervisor import Launcher
     from tests.e2e.harness import log_records, run_config, trained_records
 
-    model = init_model(tmp_path / "tiny-arith", family="qwen2", preset="tiny",
-                       vocab="arithmetic", seed=0)
     run_dir = tmp_path / "run"
-    cfg = run_config(model, run_dir, "trainer.steps=3", "trainer.prompts_per_step=4",
+    cfg = run_config(arith_model, run_dir, "trainer.steps=3", "trainer.prompts_per_step=4",
                      "algorithm.group_size=4", "trainer.checkpoint.every=2",
                      "trainer.eval_before=false", "trainer.eval_after=false",
                      "services.num_samplers=1")
