@@ -5,8 +5,12 @@ greedy accuracy reaches 0.8, and the exported adapter loads in PEFT onto the tra
 
 Settings (docs/lora.md): LoRA leaves the embedding and norms frozen, and the random model's
 output embedding is small (std 0.02), so at temperature 1 no adapter can make a token much more
-likely than the rest; the run samples at temperature 0.5, lr 2e-3 (greedy accuracy 0.0 -> 1.0
-after 150 steps when this was written; 6.5 min at load average 12 on 2 cores).
+likely than the rest; the run samples at temperature 0.5, lr 2e-3.
+
+120 steps: the same run without the kill, evaluated every 10 steps (the learning rate is
+constant, so a shorter run is the first steps of a longer one; the resume is bitwise), has
+greedy accuracy 0.80 at step 100 and 0.84 at every evaluation from step 110 to 150. 120 keeps
+an evaluation of that plateau before it.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ LORA = ("model.lora.rank=16", "model.lora.alpha=32", "trainer.optimizer.lr=0.002
 
 def test_lora_grpo_learns_survives_kill_9_and_exports_a_peft_adapter(arith_model, tmp_path):
     run_dir = tmp_path / "run"
-    steps, every = 150, 50
+    steps, every = 120, 50
     cfg = run_config(arith_model, run_dir, *LORA, f"trainer.steps={steps}",
                      f"trainer.checkpoint.every={every}", "trainer.checkpoint.async_save=false")
     launcher = Launcher(cfg)
