@@ -175,9 +175,10 @@ def test_trainer_killed_resumes_from_checkpoint_with_dynamic_sampling(arith_mode
     """kill -9 of the trainer mid-run under DAPO's dynamic sampling: it resumes from its last
     checkpoint, every trained batch is full, the final lineage trains or filters every drawn
     prompt exactly once, and the run is bitwise the run that was never interrupted (with one
-    sampler instead of two)."""
+    sampler instead of two). 18 steps: the kill follows the first step after the first
+    checkpoint (step 7), and 11 steps stay for the poll to see it land mid-run."""
     run_dir = tmp_path / "run"
-    steps, per_step, every = 24, 16, 6
+    steps, per_step, every = 18, 16, 6
     overrides = (f"trainer.steps={steps}", f"trainer.prompts_per_step={per_step}",
                  f"trainer.checkpoint.every={every}", "trainer.checkpoint.async_save=false",
                  "algorithm.filter_zero_variance=true", "algorithm.max_extra_draws=1000", *FAST)
