@@ -384,20 +384,12 @@ class Scheduler:
             self._prefill_chunk(chunk)
 
     def _chunks(self, admitted: list[_Group]) -> list[list[_Group]]:
-        """``admitted`` in prefill chunks: the groups of each size (completions per prompt)
-        apart, in order, each chunk the longest run of them whose packed prompts
-        (`pack_prompts`, padding included) take at most ``prefill_chunk_tokens``, and at least
-        one group. Apart, because a chunk's shapes (its packed rows, its rows admitted) then
-        go together: a rollout's groups and trajectories returning from their tools (one row
-        each), admitted at the same boundary in any mix, meet a few programs, not one per mix.
-        (The order of chunks changes no token: every row's slot is set at admission.)"""
-        sizes = sorted({len(g.rows) for g in admitted})
-        return [chunk for size in sizes
-                for chunk in self._packed_runs([g for g in admitted if len(g.rows) == size])]
-
-    def _packed_runs(self, admitted: list[_Group]) -> list[list[_Group]]:
-        """``admitted`` in runs, in order, each the longest whose packed prompts take at most
-        ``prefill_chunk_tokens``, and at least one group."""
+        """``admitted`` in prefill chunks, in order: each the longest run of groups whose
+        packed prompts (`pack_prompts`, padding included) take at most
+        ``prefill_chunk_tokens``, and at least one group. Groups of any size share a chunk:
+        a rollout's groups and trajectories returning from their tools (one row each),
+        admitted at the same boundary, take one prefill and one admit, not one of each per
+        size (admit's entries are rows, so the mix never sets its shape)."""
         prompts = [g.request.prompts[g.index] for g in admitted]
 
         def too_big(start: int, end: int) -> bool:
