@@ -80,30 +80,146 @@ def parse_args():
     ap.add_argument("--length", type=int, default=24,
                     help="tokens of each single-turn completion")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where the timed windows' CPU seconds go, by thread and by "
+                         "the engine thread's phases (adds a little host work of its own)")
     return ap.parse_args()
+
+
+class Profile:
+    """Where a window's CPU seconds go (``--profile``).
+
+    By thread: each Python thread's own CPU clock (the engine's, the episode drivers', the
+    tool pool's that talks to the tool workers, the feeder's); "XLA" is the process's native
+    threads (the CPU client's threads that execute the compiled programs), read from
+    /proc/self/task/*/schedstat. The tool workers are other processes: not counted, as in the
+    busy fraction. On the engine thread, per phase of `Scheduler.step`: the thread's own CPU
+    (host work: Python, dispatch) and the native threads' CPU meanwhile (the phase's
+    programs: the engine thread alone runs programs). Phases are timed by wrapping the
+    scheduler's methods on the instance (and `_Driver.run` for the drivers' threads, which end
+    inside the window): what a sampler runs, plus a clock read around each call."""
+
+    PHASES = ("step", "_retire", "_admit", "_layout", "_prefill_chunk", "_prefill_inputs",
+              "_decode", "_decode_inputs")
+    RUNS_PROGRAMS = ("step", "_layout", "_prefill_chunk", "_decode")  # the rest: host only
+
+    def __init__(self, scheduler):
+        from sampler_service import episodes
+
+        self.host = dict.fromkeys(self.PHASES, 0.0)
+        self.xla = dict.fromkeys(self.PHASES, 0.0)
+        self.calls = dict.fromkeys(self.PHASES, 0)
+        self.drivers = 0.0  # CPU of the episode drivers' threads that ended
+        self._native: list[int] = []
+        for name in self.PHASES:
+            setattr(scheduler, name, self._timed(name, getattr(scheduler, name)))
+        run = episodes._Driver.run  # noqa: SLF001 - profiling what a sampler runs
+
+        def driver_run(driver) -> None:
+            try:
+                run(driver)
+            finally:
+                self.drivers += time.thread_time()
+        episodes._Driver.run = driver_run  # noqa: SLF001
+
+    def _native_cpu(self) -> float:
+        total = 0
+        for tid in self._native:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                    total += int(f.read().split()[0])
+            except OSError:  # ended
+                pass
+        return total / 1e9
+
+    def _timed(self, name, method):
+        native = self._native_cpu if name in self.RUNS_PROGRAMS else lambda: 0.0
+
+        def timed(*args, **kwargs):
+            host, xla = time.thread_time(), native()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.host[name] += time.thread_time() - host
+                self.xla[name] += native() - xla
+                self.calls[name] += 1
+        return timed
+
+    def snapshot(self) -> dict:
+        threads: dict[str, float] = {"episodes": self.drivers}
+        python = set()
+        for thread in threading.enumerate():
+            python.add(thread.native_id)
+            try:
+                seconds = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, TypeError):  # ended meanwhile
+                continue
+            kind = thread.name.split("_")[0].split("-")[0]  # tools_3 -> tools, engine-0 -> engine
+            threads[kind] = threads.get(kind, 0.0) + seconds
+        self._native = [int(t) for t in os.listdir("/proc/self/task") if int(t) not in python]
+        threads["XLA"] = self._native_cpu()
+        return {"process": time.process_time(), "threads": threads, "host": dict(self.host),
+                "xla": dict(self.xla), "calls": dict(self.calls)}
+
+    @staticmethod
+    def report(start: dict, end: dict) -> str:
+        total = end["process"] - start["process"]
+        threads = {k: end["threads"][k] - start["threads"].get(k, 0.0)
+                   for k in end["threads"]}
+        threads["unattributed"] = total - sum(threads.values())
+        calls = {k: end["calls"][k] - start["calls"][k] for k in end["calls"]}
+
+        def phases(which: str) -> dict:
+            d = {k: end[which][k] - start[which][k] for k in end[which]}
+            out = {"retire": d["_retire"], "admit (choose rows)": d["_admit"],
+                   "layout": d["_layout"], "prefill inputs": d["_prefill_inputs"],
+                   "prefill+admit": d["_prefill_chunk"] - d["_prefill_inputs"],
+                   "decode inputs": d["_decode_inputs"],
+                   "decode": d["_decode"] - d["_decode_inputs"]}
+            out["rest of step"] = d["step"] - sum(out.values())
+            return out
+
+        host, xla = phases("host"), phases("xla")
+        lines = [f"    CPU {total:.2f} s by thread: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in sorted(threads.items(), key=lambda kv: -kv[1]))]
+        lines.append(f"    engine steps ({calls['step']} steps, {calls['_decode']} segments, "
+                     f"{calls['_prefill_chunk']} prefill chunks), host + XLA CPU: " + ", ".join(
+                         f"{k} {host[k]:.3f}+{xla[k]:.3f}" for k in host))
+        return "\n".join(lines)
 
 
 class Feeder:
     """Keeps the engine's queue holding single-turn requests (8 prompts x 8 completions each,
-    at most two waiting) until stopped: the rest of a busy sampler's work."""
+    at most two waiting) until stopped: the rest of a busy sampler's work. It wakes when one
+    of its requests ends (as a Rollout's handler waits on its request), not on a timer, so
+    it costs the sampler's process nothing while it waits."""
 
     def __init__(self, engine, prompt, options):
         self.engine, self.prompt, self.options = engine, prompt, options
         self._stop = threading.Event()
+        self._ended = threading.Event()  # one of the requests ended
         self._requests: list = []
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="feeder", daemon=True)
         self._thread.start()
+
+    def put(self, event) -> None:
+        """The requests' sink: their groups, then None (or an error) at their end."""
+        if event is None or isinstance(event, BaseException):
+            self._ended.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._ended.clear()
             self._requests = [r for r in self._requests if not r.finished]
             if len(self._requests) < 2 + self.engine.max_batch_size // 64:
-                self._requests.append(self.engine.submit([self.prompt] * 8, self.options, 8))
+                self._requests.append(
+                    self.engine.submit([self.prompt] * 8, self.options, 8, sink=self))
             else:
-                time.sleep(0.002)
+                self._ended.wait()
 
     def stop(self) -> None:
         self._stop.set()
+        self._ended.set()
         self._thread.join()
         for request in self._requests:
             request.cancel()
@@ -149,6 +265,7 @@ def main() -> int:
                               pad_token_id=tokenizer.pad_token_id or 0,
                               weights=lambda: (0, placed))
     placed = engine.place_state(state)
+    profile = Profile(engine.scheduler) if args.profile else None
 
     prompt = tokenizer.encode("?", add_special_tokens=False)
     prompts = [prompt] * args.prompts
@@ -162,7 +279,8 @@ def main() -> int:
         st = engine.stats
         return (time.perf_counter(), st["tokens_generated"], st["live_row_steps"],
                 st["row_steps"], st["segments"], st["prefill_chunks"], st["prefill_seconds"],
-                st["decode_seconds"], time.process_time(), len(compiled))
+                st["decode_seconds"], time.process_time(), len(compiled),
+                profile.snapshot() if profile else None)
 
     def window(start, end) -> dict:
         seconds, tokens = end[0] - start[0], end[1] - start[1]
@@ -172,12 +290,13 @@ def main() -> int:
                 "segments": end[4] - start[4], "prefills": end[5] - start[5],
                 "prefill_s": end[6] - start[6], "decode_s": end[7] - start[7],
                 "cpu_s": end[8] - start[8], "compiles": compiled[start[9]:end[9]],
-                "cpu_rate": tokens / (end[8] - start[8])}
+                "cpu_rate": tokens / (end[8] - start[8]),
+                "profile": Profile.report(start[10], end[10]) if profile else ""}
 
     def where(run: dict) -> str:
         return (f"{run['segments']} segments, {run['prefills']} prefills; prefill "
                 f"{run['prefill_s']:.2f} s, decode {run['decode_s']:.2f} s, process CPU "
-                f"{run['cpu_s']:.2f} s")
+                f"{run['cpu_s']:.2f} s" + (f"\n{run['profile']}" if run["profile"] else ""))
 
     def batch_full() -> None:
         while engine.stats["active_sequences"] < engine.max_batch_size:
