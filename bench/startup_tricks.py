@@ -4,15 +4,16 @@ Each case runs as its own Python process (as a service or the launcher does), al
 its reference, ``--repeat`` times; the median CPU seconds (user + system, the process and its
 children) are printed beside the reference and their difference:
 
-- tokenizer: loading the tiny model's tokenizer with ``AutoTokenizer`` (class resolution through
-  transformers' config module, which imports torch when torch is installed) against loading the
-  class it resolves to by name (``model.tokenizer_class``, what the launcher pins for every
-  service it starts);
-- teardown: a process holding what a service holds (jax, flax, orbax, gRPC, transformers, a
-  compiled program), leaving through the interpreter's teardown (``sys.exit``) against without
+- tokenizer: loading the tiny model's tokenizer with the transformers class AutoTokenizer
+  chooses for it, by name (what every service paid when the launcher pinned that class),
+  against reading its tokenizer.json with `tokenizers` (``splitrl.fast_tokenizer``, what every
+  service does now); and with AutoTokenizer itself (whose class resolution imports torch when
+  torch is installed) against the same reference;
+- teardown: a process holding what a service holds (jax, flax, orbax, gRPC, a compiled
+  program), leaving through the interpreter's teardown (``sys.exit``) against without
   it (``os._exit``, what ``splitrl trainer/sampler/up/demo`` do once everything is closed);
-- data check: ``splitrl up``'s prompt length check of the demo data (its tokenizer loaded by
-  the pinned class, transformers imported) against the same launcher code loading the data
+- data check: ``splitrl up``'s prompt length check of the demo data (its tokenizer loaded,
+  every prompt rendered and counted) against the same launcher code loading the data
   without a tokenizer (what a launch paid when a passed check was remembered); what each launch
   pays now that its outcome is no longer cached;
 - resume check: ``splitrl up``'s check that a run directory may be resumed with this config,
@@ -44,14 +45,20 @@ TOKENIZER_NAMED = """
 from splitrl.tokenizer import load_tokenizer
 load_tokenizer({model!r}, {name!r})
 """
+TOKENIZER_JSON = """
+import sys
+from splitrl.tokenizer import load_tokenizer
+load_tokenizer({model!r})
+assert "transformers" not in sys.modules
+"""
 SERVICE_THEN_EXIT = """
 import os, sys
 import jax, jax.numpy as jnp
-import sampler_service.server, trainer_service.run  # jax, flax, orbax, grpc, transformers
+import sampler_service.server, trainer_service.run  # jax, flax, orbax, grpc
 from splitrl.models import from_pretrained
 from splitrl.tokenizer import load_tokenizer
 model = from_pretrained({model!r})
-load_tokenizer({model!r}, {name!r})
+load_tokenizer({model!r})
 jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((64, 64))).block_until_ready()
 sys.stdout.flush()
 if {fast!r}:
@@ -61,8 +68,7 @@ sys.exit(0)
 DATA_CHECK = """
 from splitrl.config import load_config
 from splitrl_app.launch import demo, preflight
-cfg = load_config(demo.demo_config_path(), ["model.path={model}",
-                  "model.tokenizer_class={name}"])
+cfg = load_config(demo.demo_config_path(), ["model.path={model}"])
 assert preflight.check_data(cfg) is None
 """
 DATA_WITHOUT_TOKENIZER = """
@@ -70,8 +76,7 @@ import sys
 from splitrl.config import load_config
 from splitrl_app.launch import demo, preflight
 from trainer_service.orchestration.data import PromptStream
-cfg = load_config(demo.demo_config_path(), ["model.path={model}",
-                  "model.tokenizer_class={name}"])
+cfg = load_config(demo.demo_config_path(), ["model.path={model}"])
 PromptStream.from_config(cfg.trainer.data).eval_rows()
 assert "transformers" not in sys.modules
 """
@@ -122,12 +127,13 @@ def main() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu",
            "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
+        from transformers import AutoTokenizer
+
         from splitrl.init_model import init_model
-        from splitrl.tokenizer import exported_class_name, load_tokenizer
 
         model = str(init_model(Path(tmp) / "tiny", family="qwen2", preset="tiny",
                                vocab="arithmetic", seed=0))
-        name = exported_class_name(load_tokenizer(model))
+        name = type(AutoTokenizer.from_pretrained(model)).__name__
         try:
             import torch  # noqa: F401
 
@@ -138,8 +144,10 @@ def main() -> None:
               f"{name}; {torch_note}; median of {args.repeat}")
         fill = {"model": model, "name": name, "run_dir": str(Path(tmp) / "new-run")}
         if "tokenizer" in args.cases:
+            compare(f"tokenizer: transformers' {name}", TOKENIZER_NAMED.format(**fill),
+                    TOKENIZER_JSON.format(**fill), env, args.repeat)
             compare("tokenizer: AutoTokenizer", TOKENIZER_AUTO.format(**fill),
-                    TOKENIZER_NAMED.format(**fill), env, args.repeat)
+                    TOKENIZER_JSON.format(**fill), env, args.repeat)
         if "teardown" in args.cases:
             compare("service exit: with teardown", SERVICE_THEN_EXIT.format(**fill, fast=False),
                     SERVICE_THEN_EXIT.format(**fill, fast=True), env, args.repeat)

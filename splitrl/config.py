@@ -109,9 +109,9 @@ class ModelSection(Section):
     """The dtype the trainer computes and keeps its weights in."""
     tokenizer_class: str | None = None
     """The `transformers` tokenizer class the checkpoint's tokenizer loads with (e.g.
-    Qwen2Tokenizer); null: AutoTokenizer chooses, which imports torch whenever torch is
-    installed (seconds of CPU per process). `splitrl up` pins the class AutoTokenizer chose
-    in the launch config, so its services load exactly that class without torch."""
+    Qwen2Tokenizer); null: a checkpoint with a tokenizer.json loads it with the `tokenizers`
+    library (the tokens and chat template transformers gives, without importing transformers
+    in every service), any other with AutoTokenizer."""
     logprob_chunk_size: PositiveInt = 256
     """Tokens per chunk when the trainer computes log-probabilities over the vocabulary (bounds the
     logits held at once)."""
@@ -239,7 +239,7 @@ class RewardModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The dtype the model computes and keeps its weights in."""
     tokenizer_class: str | None = None
-    """The `transformers` tokenizer class (null: AutoTokenizer chooses)."""
+    """The `transformers` tokenizer class (null: as ``model.tokenizer_class``)."""
 
 
 class RewardJudgeConfig(Section):

@@ -5,7 +5,7 @@ No hub is reachable here, so the tiny checkpoints carry their own tokenizer. Two
 - **byte-level BPE** (`train_bpe_tokenizer`): covers any text; digits are always single tokens
   so arithmetic is learnable.
 - **character vocabulary** (`train_char_tokenizer`): a BPE model with no merges over the
-  characters of the training text, anything else mapped to `<unk>`. A random tiny model has to
+  characters of the training text; any other character is dropped. A random tiny model has to
   hit the answer token by chance to get any GRPO signal, so the arithmetic task uses this
   (16 tokens instead of 512).
 
@@ -13,8 +13,7 @@ Both use Qwen2's text pipeline (NFC, its pre-tokenization regex, which isolates 
 byte-level symbols). That is deliberate: for a `qwen2` checkpoint `transformers` 5 ignores the
 pipeline in tokenizer.json and rebuilds that one around the saved vocabulary and merges, so any
 other pipeline would tokenize differently in transformers than in `tokenizers`. With this one
-they agree for every family (except that Qwen2's rebuild drops characters outside a character
-vocabulary instead of mapping them to `<unk>`).
+they agree for every family, and `splitrl.fast_tokenizer` can read tokenizer.json directly.
 
 Both have the ChatML special tokens `<|endoftext|>` (eos and pad), `<|im_start|>`, `<|im_end|>`
 and a ChatML `chat_template` in `tokenizer_config.json`. Helpers the services share:
@@ -101,14 +100,17 @@ def train_char_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *,
 
     Ids: the special tokens, then `<unk>`, then the characters (as byte-level symbols, so a
     space is 'Ġ'; a non-ASCII character is several byte symbols) in sorted order. It is a BPE
-    model with no merges: every known character is one token and any other byte is `<unk>`.
+    model with no merges: every known character is one token and any other character is
+    dropped, as transformers' Qwen2 tokenizer drops it (the model has no unknown token, so
+    `tokenizers` and transformers encode alike; `<unk>` stays in the vocabulary and the config,
+    so its id is the one earlier tokenizers had).
     """
     normalize = normalizers.NFC().normalize_str
     to_symbols = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     chars = {c for text in texts for c in normalize(text)}
     symbols = sorted({s for c in chars for s in to_symbols.pre_tokenize_str(c)[0][0]})
     vocab = {t: i for i, t in enumerate((*SPECIAL_TOKENS, UNK_TOKEN, *symbols))}
-    tok = _byte_level_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN)))
+    tok = _byte_level_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[])))
     tok.add_special_tokens([*SPECIAL_TOKENS, UNK_TOKEN])
     return _save(tok, out_dir, unk_token=UNK_TOKEN, chat_template=chat_template)
 
@@ -160,12 +162,12 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
     exist, or a hub id the hub (or its cache) does not have raises
     ``splitrl.model_path.ModelPathError`` naming the path and what is missing.
 
-    With ``tokenizer_class`` (``model.tokenizer_class``) that `transformers` class loads it;
-    without, `AutoTokenizer` chooses the class. Both end in the same ``from_pretrained`` of the
-    same class when the name is the one AutoTokenizer chose (:func:`exported_class_name`). The
-    difference is the cost: AutoTokenizer resolves through `transformers`' config module, which
-    imports torch whenever torch is installed (seconds of CPU in every process, measured by
-    bench/startup_tricks.py), and a named class does not."""
+    Without ``tokenizer_class``, a directory with a ``tokenizer.json`` loads as a
+    :class:`splitrl.fast_tokenizer.FastTokenizer`: the tokens and chat template transformers
+    gives, without importing transformers (and through AutoTokenizer torch) in every process
+    that tokenizes. Other tokenizers (SentencePiece or tiktoken files only, a tokenizer with
+    its own code, a hub name) load with `AutoTokenizer`; with ``tokenizer_class``
+    (``model.tokenizer_class``) that `transformers` class loads it."""
     from splitrl.model_path import hub_error, incomplete, local_dir, missing_files
 
     local = local_dir(path)
@@ -173,6 +175,11 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
         missing = missing_files(local, config=False, weights=False)
         if missing:
             raise incomplete(local, missing)
+        if tokenizer_class is None:
+            from splitrl.fast_tokenizer import FastTokenizer, readable
+
+            if readable(local):
+                return FastTokenizer.from_dir(local)
     try:
         if tokenizer_class is None:
             from transformers import AutoTokenizer
@@ -186,56 +193,6 @@ def load_tokenizer(path: str | os.PathLike, tokenizer_class: str | None = None):
         raise
 
 
-# A checkpoint's weights: files no tokenizer reads (and the largest ones).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf",
-                    ".npz", ".onnx")
-_CLASS_CACHE = "tokenizer-classes.json"
-
-
-def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str | None:
-    """Names the tokenizer of ``model_dir`` as this transformers loads it: the transformers
-    version, which files the directory holds (a ``tokenizer.model`` or ``vocab.json`` beside
-    the others may change AutoTokenizer's choice) and the bytes of every file but the weights
-    (tokenizer files, chat template, config). None for a hub name. Keys what a launch
-    remembers about a tokenizer: the class AutoTokenizer chose, the prompt length check."""
-    import hashlib
-    from importlib.metadata import PackageNotFoundError, version
-
-    directory = Path(model_dir)
-    if not directory.is_dir():
-        return None
-    try:
-        digest = hashlib.sha256(f"transformers {version('transformers')}".encode())
-    except PackageNotFoundError:
-        return None
-    files = sorted(directory.iterdir())
-    digest.update("\0".join(p.name for p in files).encode())
-    for path in files:
-        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
-            digest.update(f"\0{path.name}\0".encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
-def remembered_tokenizer_class(model_dir: str | os.PathLike) -> str | None:
-    """The class AutoTokenizer chose for this checkpoint's tokenizer files under this
-    transformers version, if a launcher resolved it before (:func:`remember_tokenizer_class`);
-    else None. Resolving costs a torch import; reading this, a hash of a few files."""
-    from splitrl.user_cache import read_json
-
-    key = tokenizer_fingerprint(model_dir)
-    name = read_json(_CLASS_CACHE).get(key) if key is not None else None
-    return name if isinstance(name, str) and name.isidentifier() else None
-
-
-def remember_tokenizer_class(model_dir: str | os.PathLike, name: str) -> None:
-    from splitrl.user_cache import update_json
-
-    key = tokenizer_fingerprint(model_dir)
-    if key is not None:
-        update_json(_CLASS_CACHE, key, name)
-
-
 def tokenizer_class_named(name: str) -> type[PreTrainedTokenizerBase]:
     """The tokenizer class `transformers` exports as ``name``; ValueError if there is none."""
     import transformers
@@ -247,15 +204,6 @@ def tokenizer_class_named(name: str) -> type[PreTrainedTokenizerBase]:
                          f"{transformers.__version__} exports (e.g. Qwen2Tokenizer, "
                          f"TokenizersBackend), got {name!r}")
     return cls
-
-
-def exported_class_name(tokenizer) -> str | None:
-    """The name `transformers` exports ``tokenizer``'s class under, or None (a class from a
-    checkpoint's own code): what ``model.tokenizer_class`` may pin."""
-    import transformers
-
-    name = type(tokenizer).__name__
-    return name if getattr(transformers, name, None) is type(tokenizer) else None
 
 
 def build_messages(text: str | None = None, messages: Sequence[dict] | None = None,
@@ -308,8 +256,8 @@ def encode_rendered(tokenizer, rendered: str) -> list[int]:
 
 def lost_characters(tokenizer, texts: Sequence[str]) -> list[Counter]:
     """Per text, the characters the tokenizer loses on the way to token ids: those missing
-    from ``decode(encode(text))`` (a vocabulary without them: transformers' Qwen2 tokenizer
-    drops them, a `tokenizers` one maps them to ``<unk>``). Whitespace is not counted (decoders
+    from ``decode(encode(text))`` (a vocabulary without them drops them, or maps them to an
+    unknown token). Whitespace is not counted (decoders
     may clean spaces up). Empty for a byte-level BPE, which encodes every string."""
     import unicodedata
 

@@ -6,6 +6,5 @@
 - ``supervisor``: the services' processes (start, health, exit reports, stop) with ``ports``,
   ``oom`` (an OOM kill told apart) and ``service_logs`` (error lines of the services' logs);
 - ``console``: the progress bar, the phase lines, errors as they are written;
-- ``tokenizer_class``: the tokenizer class every service loads;
 - ``demo``: the built-in tiny run.
 """

@@ -9,7 +9,6 @@ import os
 
 from splitrl.config import Config
 from splitrl_app.launch.console import say
-from splitrl_app.launch.tokenizer_class import pin_tokenizer_class
 
 
 def preflight(cfg: Config, memory_bytes: int | None = None) -> str | None:
@@ -45,8 +44,7 @@ def check_data(cfg: Config) -> str | None:
     quiet = logging.getLogger("trainer_service.orchestration.prompt_length")
     level, quiet.level = quiet.level, logging.ERROR  # the summary below says it once
     try:
-        tokenizer = pin_tokenizer_class(cfg)  # loads one only when the class is not known
-        tokenizer = tokenizer or load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.tokenizer_class)
         stream = PromptStream.for_run(cfg, tokenizer=tokenizer)
     except (ValueError, OSError) as e:
         return str(e)

@@ -30,7 +30,6 @@ from splitrl_app.launch.console import say
 from splitrl_app.launch.oom import OomWitness
 from splitrl_app.launch.ports import free_port, release_port
 from splitrl_app.launch.service_logs import error_lines
-from splitrl_app.launch.tokenizer_class import pin_tokenizer_class
 
 # Less free space than this where the logs are: a process that failed there may not have been
 # able to log why, so its exit report says the disk is full.
@@ -49,7 +48,6 @@ class Launcher:
         self.log_dir = self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.run_dir / "launch.yaml"
-        pin_tokenizer_class(cfg)
         dump_config(cfg, self.config_path)
         self.procs: dict[str, subprocess.Popen] = {}
         # Where each process began writing its log (logs append across attempts): what the

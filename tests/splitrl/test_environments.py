@@ -180,7 +180,7 @@ def bpe_dir(tmp_path_factory):
 
 
 def _with_template(path, template: str, specials: tuple[str, ...]):
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, "PreTrainedTokenizerFast")  # a transformers one, to edit
     tokenizer.add_special_tokens({"additional_special_tokens": list(specials)})
     tokenizer.chat_template = template
     return tokenizer

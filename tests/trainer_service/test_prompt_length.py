@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 
@@ -16,10 +17,14 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer_dir(tmp_path_factory):
     corpus = [WORDS, "What is 2+2? Answer with a number.", "You are a careful solver."] * 4
-    return load_tokenizer(train_bpe_tokenizer(corpus, tmp_path_factory.mktemp("tok"),
-                                              vocab_size=300))
+    return train_bpe_tokenizer(corpus, tmp_path_factory.mktemp("tok"), vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return load_tokenizer(tokenizer_dir)
 
 
 def row(prompt_id, prompt=None, messages=None):
@@ -121,10 +126,9 @@ def write_split(path, rows):
 
 
 @pytest.mark.parametrize("policy,expected_size", [("drop", 3), ("truncate_left", 4)])
-def test_a_run_serves_no_prompt_longer_than_the_samplers_take(tmp_path, tokenizer, policy,
-                                                               expected_size):
-    model_dir = tmp_path / "model"
-    tokenizer.save_pretrained(model_dir)
+def test_a_run_serves_no_prompt_longer_than_the_samplers_take(tmp_path, tokenizer_dir, tokenizer,
+                                                               policy, expected_size):
+    model_dir = shutil.copytree(tokenizer_dir, tmp_path / "model")
     data = tmp_path / "data"
     data.mkdir()
     short = [{"question": f"What is {i}+2?", "answer": str(i + 2)} for i in range(3)]
