@@ -36,10 +36,10 @@ pytestmark = pytest.mark.slow
 FAST = ("trainer.eval_before=false", "trainer.eval_after=false")
 
 
-def run_trainer_again(launcher: Launcher) -> list[dict]:
-    """Start the stopped trainer again and let it finish (exit 0); its "resumed from
-    checkpoint" log records."""
-    launcher.start_trainer()
+def run_trainer_again(launcher: Launcher, overrides: tuple[str, ...] = ()) -> list[dict]:
+    """Start the stopped trainer again (``overrides``: as `Launcher.start_trainer`) and let it
+    finish (exit 0); the "resumed from checkpoint" log records of the launch's trainers."""
+    launcher.start_trainer(overrides)
     assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
     return [r for r in log_records(launcher.log_dir / "trainer.log")
             if r.get("msg") == "resumed from checkpoint"]
@@ -246,7 +246,9 @@ def test_a_resume_after_skipped_steps_is_bitwise_the_uninterrupted_run(arith_mod
     dynamic sampling without extra draws, and the untrained model scores many groups all 0,
     so many steps have no group left. A trainer killed after such steps resumes with the
     learner's clock where the uninterrupted run has it (the learning-rate warm-up, the LoRA
-    dropout keys): the same metrics at every step, the same weights, the same audit trail."""
+    dropout keys): the same metrics at every step, the same weights, the same audit trail.
+    Both runs' trainers use one reward service and sampler (a trainer joining syncs the
+    sampler to its own weights): one launch, not two."""
     run_dir, reference = tmp_path / "run", tmp_path / "uninterrupted"
     steps = 24
     overrides = (f"trainer.steps={steps}", "trainer.prompts_per_step=1",
@@ -256,20 +258,21 @@ def test_a_resume_after_skipped_steps_is_bitwise_the_uninterrupted_run(arith_mod
                  "trainer.checkpoint.async_save=false", "services.num_samplers=1", *FAST)
     # The uninterrupted run saves no checkpoint before its last step; the interrupted one
     # saves every step, so that it resumes right after a skipped step.
-    assert launch(run_config(arith_model, reference, *overrides,
-                             "trainer.checkpoint.every=1000")) == 0
-    skipped = [m["step"] for m in step_metrics(reference) if m.get("skipped")]
-    assert skipped and skipped[0] <= 4, f"steps without groups: {skipped}"
-    launcher = Launcher(run_config(arith_model, run_dir, *overrides,
-                                   "trainer.checkpoint.every=1"))
+    launcher = Launcher(run_config(arith_model, reference, *overrides,
+                                   "trainer.checkpoint.every=1000"))
+    interrupted = (f"trainer.run_dir={run_dir}", "trainer.checkpoint.every=1")
     try:
         launcher.up()
+        assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
+        skipped = [m["step"] for m in step_metrics(reference) if m.get("skipped")]
+        assert skipped and skipped[0] <= 4, f"steps without groups: {skipped}"
+        launcher.start_trainer(interrupted)
         wait_for(lambda: status_step(launcher) >= skipped[0] + 1, 300,
                  f"a step after the skipped step {skipped[0]}", launcher)
         trainer = launcher.procs["trainer"]
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait()
-        resumed = run_trainer_again(launcher)
+        resumed = run_trainer_again(launcher, interrupted)
     finally:
         launcher.stop()
     assert resumed and resumed[-1]["step"] > skipped[0], "no resume after a skipped step"
