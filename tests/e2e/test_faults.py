@@ -16,7 +16,6 @@ from splitrl.serving import make_channel
 from splitrl.v1 import sampler_pb2, sampler_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 from splitrl_app.launch.ports import free_port
 from splitrl_app.launch.supervisor import Launcher
-from splitrl_app.launch.up import main as launch
 from tests.e2e.harness import (
     export_digest,
     kill_service,
@@ -176,18 +175,30 @@ def test_trainer_killed_resumes_from_checkpoint_with_dynamic_sampling(arith_mode
     checkpoint, every trained batch is full, the final lineage trains or filters every drawn
     prompt exactly once, and the run is bitwise the run that was never interrupted (with one
     sampler instead of two). 18 steps: the kill follows the first step after the first
-    checkpoint (step 7), and 11 steps stay for the poll to see it land mid-run."""
+    checkpoint (step 7), and 11 steps stay for the poll to see it land mid-run. One launch:
+    the uninterrupted run's trainer uses the reward service and sampler-0; sampler-1 starts
+    after it, for the interrupted run's trainer (a trainer joining syncs the samplers to its
+    own weights)."""
     run_dir = tmp_path / "run"
     steps, per_step, every = 18, 16, 6
     overrides = (f"trainer.steps={steps}", f"trainer.prompts_per_step={per_step}",
                  f"trainer.checkpoint.every={every}", "trainer.checkpoint.async_save=false",
                  "algorithm.filter_zero_variance=true", "algorithm.max_extra_draws=1000", *FAST)
     reference = tmp_path / "uninterrupted"
-    assert launch(run_config(arith_model, reference, *overrides, "services.num_samplers=1")) == 0
-    cfg = run_config(arith_model, run_dir, *overrides, "services.num_samplers=2")
-    launcher = Launcher(cfg)
+    launcher = Launcher(run_config(arith_model, reference, *overrides,
+                                   "services.num_samplers=2"))
+    first, second = launcher.sampler_addresses
+    interrupted = (f"trainer.run_dir={run_dir}",)
     try:
-        launcher.up()
+        launcher.start("reward", "reward", [])
+        launcher.start_sampler(0, first)
+        launcher.wait_healthy("reward", launcher.reward_address)
+        launcher.wait_healthy("sampler-0", first)
+        launcher.start_trainer(("services.num_samplers=1", f"services.sampler_addresses=[{first}]"))
+        assert wait_exit(launcher, "trainer", 600) == 0, tail(launcher.log_dir / "trainer.log")
+        launcher.start_sampler(1, second)
+        launcher.wait_healthy("sampler-1", second)
+        launcher.start_trainer(interrupted)
         wait_for(lambda: status_step(launcher) >= every + 1, 300, "a step after a checkpoint",
                  launcher)
         trainer = launcher.procs["trainer"]
@@ -197,7 +208,7 @@ def test_trainer_killed_resumes_from_checkpoint_with_dynamic_sampling(arith_mode
         saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
         before_kill = trained_records(run_dir)
         assert before_kill[-1]["step"] >= saved >= every
-        launcher.start_trainer()
+        launcher.start_trainer(interrupted)
         code = wait_exit(launcher, "trainer", 600)
         assert code == 0, tail(launcher.log_dir / "trainer.log")
     finally:
