@@ -16,8 +16,9 @@ the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`
 2. `admit`: writes each admitted row's prompt keys/values into its slots of the cache (only
    those slots, in place: a loop over the layers, so the program holds one layer of the rows'
    keys/values at a time and no copy of the cache) and draws each row's first token from the
-   logits after its prompt (draw index 0 of its key). Its entries are rows, bucketed by
-   count, so the mix of prompts and completions per prompt admitted never sets its shape.
+   logits after its prompt (draw index 0 of its key). Its entries are rows, padded to the
+   cache's rows, so neither the mix of prompts and completions per prompt admitted nor their
+   number sets its shape.
 3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
    stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
    refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
@@ -122,14 +123,15 @@ class Programs:
         row. ``pages``: the rows' page tables [R, n] of a paged cache
         (`paged_cache.PagedLayout`), else None.
 
-        The entries are rows, not prompts x completions, so the program's shape is set by
-        how many rows are admitted (bucketed by the scheduler), whatever mix of prompts and
-        completions per prompt they come from: a sampler whose admissions mix a rollout's
-        groups with trajectories returning from their tools runs a few programs, not one per
-        mix. The rows' slots are gathered and written in place in the donated cache one layer
-        at a time: the program holds at most one layer of the admitted rows' keys and values
-        (no more than a layer of the cache), never a copy of the cache. A row's slots past its
-        prompt keep whatever they held (stale and finite, masked until decode writes them)."""
+        The entries are rows, not prompts x completions, padded to the cache's rows by the
+        scheduler, so the program's shape is not set by how many rows are admitted or by the
+        mix of prompts and completions per prompt they come from: a sampler whose admissions
+        mix a rollout's groups with trajectories returning from their tools runs a few
+        programs, not one per mix. The rows' slots are gathered and written in place in the
+        donated cache one layer at a time: the program holds at most one layer of the
+        admitted rows' keys and values (no more than a layer of the cache), never a copy of
+        the cache. A row's slots past its prompt keep whatever they held (stale and finite,
+        masked until decode writes them)."""
         model = self.model(leaves)
         width = layout.width(cache, pages)
         b, w = hidden.shape[:2]

@@ -444,16 +444,21 @@ class Scheduler:
     def _prefill_inputs(self, chunk: list[_Group]):
         """(prompts, rows, prefill's host arguments, admit's host arguments after the cache, kv
         and hidden states, the rows' `SamplePlan`) of one packed prefill of the groups of
-        ``chunk``. Admit's entries are the chunk's rows in order, padded to `bucket_rows` of
-        their count within the cache's rows (a padding entry's slot is past the cache:
-        dropped): with the packed prefill's bucketed shape, what sets which program runs,
-        whatever mix of prompts and completions per prompt makes up the rows."""
+        ``chunk``. Admit's entries are the chunk's rows in order, padded to the cache's rows
+        (a padding entry's slot is past the cache: dropped). So admit's shape is the cache's
+        and the packed prefill's, whatever mix of prompts and completions per prompt makes up
+        the rows: a boundary that admits a rollout's groups and trajectories returning from
+        their tools in any numbers runs one of the few programs the prefill shapes already
+        make, where entries bucketed by count made a program per (packed rows, entries) pair,
+        some of them met only after many minutes. A padding entry costs a row of logits and
+        a gather of its (clamped) prompt slots: at most what one decode step over the cache
+        computes."""
         prompts = [g.request.prompts[g.index] for g in chunk]
         tokens, positions, segments, starts = pack_prompts(
             prompts, self.cache.max_width, self.pad_token_id)
         assert self.cache.shape is not None  # laid out for the batch
         rows = [row for group in chunk for row in group.rows]
-        entries = bucket_rows(len(rows), self.cache.shape.rows)
+        entries = self.cache.shape.rows
         row_start = np.zeros(entries, np.int32)
         row_length = np.ones(entries, np.int32)
         row_slot = np.full(entries, self.cache.shape.rows, np.int32)
