@@ -43,6 +43,7 @@ runs are printed by name. The load average is printed beside the timings.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import queue
 import sys
@@ -97,7 +98,8 @@ class Profile:
     (host work: Python, dispatch) and the native threads' CPU meanwhile (the phase's
     programs: the engine thread alone runs programs). Phases are timed by wrapping the
     scheduler's methods on the instance (and `_Driver.run` for the drivers' threads, which end
-    inside the window): what a sampler runs, plus a clock read around each call."""
+    inside the window): what a sampler runs, plus a clock read around each call. Python's
+    cyclic garbage collections are timed too (`gc.callbacks`), in whichever thread runs them."""
 
     PHASES = ("step", "_retire", "_admit", "_layout", "_prefill_chunk", "_prefill_inputs",
               "_decode", "_decode_inputs")
@@ -110,6 +112,9 @@ class Profile:
         self.xla = dict.fromkeys(self.PHASES, 0.0)
         self.calls = dict.fromkeys(self.PHASES, 0)
         self.drivers = 0.0  # CPU of the episode drivers' threads that ended
+        self.gc = 0.0  # CPU of Python's cyclic garbage collections, in whichever thread
+        self._gc_start: dict[int, float] = {}
+        gc.callbacks.append(self._on_gc)
         self._native: list[int] = []
         for name in self.PHASES:
             setattr(scheduler, name, self._timed(name, getattr(scheduler, name)))
@@ -121,6 +126,12 @@ class Profile:
             finally:
                 self.drivers += time.thread_time()
         episodes._Driver.run = driver_run  # noqa: SLF001
+
+    def _on_gc(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._gc_start[threading.get_ident()] = time.thread_time()
+        elif (start := self._gc_start.pop(threading.get_ident(), None)) is not None:
+            self.gc += time.thread_time() - start
 
     def _native_cpu(self) -> float:
         total = 0
@@ -158,7 +169,8 @@ class Profile:
             threads[kind] = threads.get(kind, 0.0) + seconds
         self._native = [int(t) for t in os.listdir("/proc/self/task") if int(t) not in python]
         threads["XLA"] = self._native_cpu()
-        return {"process": time.process_time(), "threads": threads, "host": dict(self.host),
+        return {"process": time.process_time(), "threads": threads, "gc": self.gc,
+                "host": dict(self.host),
                 "xla": dict(self.xla), "calls": dict(self.calls)}
 
     @staticmethod
@@ -181,7 +193,8 @@ class Profile:
 
         host, xla = phases("host"), phases("xla")
         lines = [f"    CPU {total:.2f} s by thread: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in sorted(threads.items(), key=lambda kv: -kv[1]))]
+            f"{k} {v:.3f}" for k, v in sorted(threads.items(), key=lambda kv: -kv[1]))
+            + f"; of which Python's garbage collections {end['gc'] - start['gc']:.3f}"]
         lines.append(f"    engine steps ({calls['step']} steps, {calls['_decode']} segments, "
                      f"{calls['_prefill_chunk']} prefill chunks), host + XLA CPU: " + ", ".join(
                          f"{k} {host[k]:.3f}+{xla[k]:.3f}" for k in host))
