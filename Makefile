@@ -46,10 +46,17 @@ demo-tools: $(DEMO_STAMP)
 # multi-process modules are handed out first, the short ones after them (tests/xdist_scheduling.py).
 XDIST := -n 2 --dist loadscope --no-loadscope-reorder
 
+# The project's own modules, byte-compiled before the tests: the editable install leaves them
+# uncompiled, and where PYTHONDONTWRITEBYTECODE is set (as in many containers) Python writes no
+# .pyc on import, so each of the suite's service processes would compile them again.
+PACKAGES := splitrl sampler_service reward_service trainer_service splitrl_app
+
 test: $(STAMP)
+	$(BIN)/python -m compileall -q $(PACKAGES)
 	$(BIN)/python -m pytest tests -q --durations=15 $(XDIST)
 
 test-fast: $(STAMP)
+	$(BIN)/python -m compileall -q $(PACKAGES)
 	$(BIN)/python -m pytest tests -q -m 'not slow' $(XDIST)
 
 # mypy checks the packages [tool.mypy] lists in pyproject.toml.
