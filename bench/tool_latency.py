@@ -37,7 +37,8 @@ Returning trajectories are admitted in bucketed shapes (`scheduler.Scheduler._ch
 runs with episodes are repeated untimed until one compiles nothing (XLA compile events from
 `jax.monitoring`: the steady state of a sampler that has run a while), then ``--repeats``
 timed runs, best kept; the warm-up runs it took and the programs compiled during the timed
-runs are printed by name. The load average is printed beside the timings.
+runs are printed by name. The load average is printed beside the timings. ``--profile`` also
+prints where each timed window's CPU seconds went (`Profile`: by thread, by engine phase).
 """
 
 from __future__ import annotations
