@@ -44,13 +44,12 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter, Histogram
 
-from reward_service.pool import Outcome
+from reward_service.pool import UNAVAILABLE, Outcome
 from splitrl.config import RewardJudgeConfig
 from splitrl.reward_protocol import ERROR_PREFIX
 
 log = logging.getLogger(__name__)
 
-UNAVAILABLE = "unavailable"  # an Outcome status: the judge could not be reached
 RETRY_HTTP = frozenset({408, 429, 500, 502, 503, 504})
 NO_VERDICT = "judge gave no verdict"
 

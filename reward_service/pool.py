@@ -51,11 +51,15 @@ START_TIMEOUT_S = 60.0
 PRELOAD = ["reward_service._worker", "reward_service.math_accuracy", "reward_service.functions"]
 
 
+UNAVAILABLE = "unavailable"  # an Outcome status: a judge could not be reached (judges.py)
+
+
 @dataclass
 class Outcome:
     score: float
     reason: str = ""
     status: str = "ok"  # ok | none | timeout | error | nonfinite | cancelled (scoring.OUTCOMES)
+    # | UNAVAILABLE (a judge)
     seconds: float = 0.0
 
 

@@ -21,7 +21,7 @@ import time
 import grpc
 
 from reward_service import metrics
-from reward_service.judges import UNAVAILABLE
+from reward_service.pool import UNAVAILABLE
 from reward_service.scoring import Item, RequestError, RewardScorer
 from splitrl.config import Config, RewardConfig
 from splitrl.logs import configure_logging
