@@ -34,11 +34,12 @@ fast they go; the line "episodes alone" shows that bound.)
 
 Returning trajectories are admitted in bucketed shapes (`scheduler.Scheduler._chunks`,
 `_prefill_inputs`): a finite set of programs, compiled the first time each shape occurs. The
-runs with episodes are repeated untimed until one compiles nothing (XLA compile events from
-`jax.monitoring`: the steady state of a sampler that has run a while), then ``--repeats``
-timed runs, best kept; the warm-up runs it took and the programs compiled during the timed
-runs are printed by name. The load average is printed beside the timings. ``--profile`` also
-prints where each timed window's CPU seconds went (`Profile`: by thread, by engine phase).
+runs with episodes are repeated untimed until two in a row compile nothing (at most 12; XLA
+compile events from `jax.monitoring`: the steady state of a sampler that has run a while),
+then ``--repeats`` timed runs, best kept; the warm-up runs it took and the programs compiled
+during the timed runs are printed by name. The load average is printed beside the timings.
+``--profile`` also prints where each timed window's CPU seconds went (`Profile`: by thread,
+by engine phase).
 """
 
 from __future__ import annotations
@@ -354,12 +355,15 @@ def main() -> int:
         finally:
             background.stop()
 
-    def warm_up(episodes, most: int = 8) -> int:
-        """Runs of the episodes among single-turn requests until one compiles nothing new
-        (at most ``most``): the steady state of a sampler that has run a while, whose bucketed
-        shapes are all compiled. Returns the runs it took."""
+    def warm_up(episodes, most: int = 12) -> int:
+        """Runs of the episodes among single-turn requests until two in a row compile nothing
+        new (at most ``most``): the steady state of a sampler that has run a while, whose
+        bucketed shapes are all compiled (one clean run still left rare shapes for the timed
+        runs to compile). Returns the runs it took."""
+        clean = 0
         for runs in range(1, most + 1):
-            if not episodes_run(episodes, feeder=True)["compiles"]:
+            clean = 0 if episodes_run(episodes, feeder=True)["compiles"] else clean + 1
+            if clean == 2:
                 return runs
         return most
 
