@@ -11,7 +11,6 @@ text (docs/environments.md).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,10 +40,6 @@ class ObservationRenderer:
                 break
         self._tail = tail
         self._base, self._head = base, head
-        # Rendering runs the template (Jinja) twice; a tool's results repeat (a lookup's few
-        # values, the same error text), and the ids are a function of them: each distinct
-        # observation is rendered and encoded once.
-        self._encoded = functools.lru_cache(maxsize=256)(self._encode)
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -63,7 +58,4 @@ class ObservationRenderer:
 
     def ids(self, results: Sequence[tuple[str, str]], stopped: bool = True) -> list[int]:
         """`text` encoded (special tokens in it, like ``<|im_start|>``, become their ids)."""
-        return list(self._encoded(tuple(results), stopped))
-
-    def _encode(self, results: tuple[tuple[str, str], ...], stopped: bool) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(self.text(results, stopped), add_special_tokens=False))
+        return list(self.tokenizer.encode(self.text(results, stopped), add_special_tokens=False))
