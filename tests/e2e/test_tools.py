@@ -5,16 +5,18 @@ demo-tools` runs), with the tools in isolated worker processes of each sampler.
 - A random tiny model learns to call the tool from scratch: the answer is a digit only the tool
   reveals, so greedy accuracy can rise from ~0 only through tool calls (slow); `splitrl eval`
   of its export reproduces the run's final evaluation, episodes and all.
-- Two synchronous runs of the same config and seed, one with two samplers and one with one,
-  are bitwise equal, tool calls and all (a few steps; slow: the fast suite's variant is the
-  episode and environment tests, tests/sampler_service/test_episodes.py and
-  tests/splitrl/test_environments.py, with real tool workers). Single-turn runs are checked
-  the same way, across a killed trainer, by tests/e2e/test_faults.py.
-- A sampler killed mid-episode loses nothing (slow)."""
+- A sampler killed mid-episode loses nothing (slow). That short synchronous run, two samplers
+  with one killed, is bitwise equal to the same config and seed run with one sampler, tool
+  calls and all: which sampler answers, and a request re-sent whole after a death, change
+  nothing (slow: the fast suite's variant is the episode and environment tests,
+  tests/sampler_service/test_episodes.py and tests/splitrl/test_environments.py, with real
+  tool workers). Single-turn runs are checked the same way, across a killed trainer, by
+  tests/e2e/test_faults.py."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -97,44 +99,65 @@ def test_eval_of_the_tool_task_reproduces_the_runs_after_evaluation(learned, tmp
     assert f"greedy accuracy: {summary['eval_after/accuracy']:.3f} on 100 prompts" in out.stdout
 
 
+# The short synchronous run both checks below read: 12 steps of 8 prompts (1536 episodes, of
+# which the random model turns a few into tool calls), no evaluation.
+SHORT_RUN = ("trainer.steps=12", "trainer.prompts_per_step=8", "trainer.eval_before=false",
+             "trainer.eval_after=false", "trainer.checkpoint.every=1000")
+
+
+@pytest.fixture(scope="module")
+def killed_sampler_run(tools_model, tmp_path_factory) -> Path:
+    """The short run with two samplers, sampler-0 SIGKILLed at step 3 while its episodes are in
+    flight (turns queued, tools running). The trainer is paused around the kill, so the kill
+    lands with most of the run still to come, however fast the steps go."""
+    run_dir = tmp_path_factory.mktemp("kill") / "run"
+    launcher = Launcher(tools_config(tools_model, run_dir, *SHORT_RUN, "services.num_samplers=2"))
+    try:
+        launcher.up()
+        wait_for(lambda: status_step(launcher) >= 3, 600, "step 3", launcher)
+        trainer = launcher.procs["trainer"]
+        trainer.send_signal(signal.SIGSTOP)
+        try:
+            kill_service(launcher, "sampler-0")
+        finally:
+            trainer.send_signal(signal.SIGCONT)
+        assert wait_exit(launcher, "trainer", 900) == 0, tail(launcher.log_dir / "trainer.log")
+        killed = launcher.sampler_addresses[0]
+    finally:
+        launcher.stop()
+    return run_dir, killed
+
+
 @pytest.mark.slow
-def test_two_tool_runs_with_two_samplers_and_one_are_bitwise_identical(tools_model, tmp_path):
-    runs = []
-    for samplers in (2, 1):
-        run_dir = tmp_path / f"samplers-{samplers}"
-        cfg = tools_config(tools_model, run_dir, "trainer.steps=3", "trainer.eval_before=false",
-                           "trainer.eval_after=false", f"services.num_samplers={samplers}")
-        assert launch(cfg) == 0
-        runs.append((step_metrics(run_dir), export_digest(run_dir)))
-    (first, first_weights), (second, second_weights) = runs
-    assert len(first) == len(second) == 3
+def test_a_sampler_killed_mid_episode_loses_nothing(killed_sampler_run):
+    """Its requests go to the other sampler, and `splitrl audit` accounts for every prompt
+    once."""
+    run_dir, killed = killed_sampler_run
+    report = audit_run(run_dir)
+    assert report.ok, report.lines()
+    records = trained_records(run_dir)
+    uids = [u for r in records for u in r["uids"]]
+    assert sorted(int(u.rsplit("#", 1)[1]) for u in uids) == list(range(12 * 8))
+    # The kill came before the run's end: its last steps trained on the survivor alone.
+    assert killed not in records[-1]["samplers"]
+
+
+@pytest.mark.slow
+def test_the_killed_sampler_run_and_a_one_sampler_run_are_bitwise_identical(
+        killed_sampler_run, tools_model, tmp_path):
+    """A synchronous run is a function of its config and seed, tool calls and all: the run
+    with two samplers, one of them killed mid-episode, equals the same config run with a single
+    sampler, step for step and in its final weights."""
+    killed_run, _ = killed_sampler_run
+    one_sampler = tmp_path / "one-sampler"
+    assert launch(tools_config(tools_model, one_sampler, *SHORT_RUN,
+                               "services.num_samplers=1")) == 0
+    first, second = step_metrics(killed_run), step_metrics(one_sampler)
+    assert len(first) == len(second) == 12
     for a, b in zip(first, second, strict=True):
         assert a == b, f"step {a['step']} differs"
     assert {"reward/mean", "loss", "grad_norm", "episodes/tool_calls"} <= set(first[0])
     # The random model called the tool now and then (1 in ~150 episodes): those episodes had
     # turns after an observation, and replayed bit for bit too.
     assert sum(r["episodes/tool_calls"] for r in first) > 0
-    assert first_weights == second_weights
-
-
-@pytest.mark.slow
-def test_a_sampler_killed_mid_episode_loses_nothing(tools_model, tmp_path):
-    """SIGKILL of a sampler while its episodes are in flight (turns queued, tools running):
-    its requests go to the other sampler, and `splitrl audit` accounts for every prompt once."""
-    run_dir = tmp_path / "kill"
-    steps, per_step = 12, 8
-    cfg = tools_config(tools_model, run_dir, f"trainer.steps={steps}",
-                       f"trainer.prompts_per_step={per_step}", "trainer.eval_before=false",
-                       "trainer.eval_after=false", "trainer.checkpoint.every=1000")
-    launcher = Launcher(cfg)
-    try:
-        launcher.up()
-        wait_for(lambda: status_step(launcher) >= 3, 600, "step 3", launcher)
-        kill_service(launcher, "sampler-0")
-        assert wait_exit(launcher, "trainer", 900) == 0, tail(launcher.log_dir / "trainer.log")
-    finally:
-        launcher.stop()
-    report = audit_run(run_dir)
-    assert report.ok, report.lines()
-    uids = [u for r in trained_records(run_dir) for u in r["uids"]]
-    assert sorted(int(u.rsplit("#", 1)[1]) for u in uids) == list(range(steps * per_step))
+    assert export_digest(killed_run) == export_digest(one_sampler)
