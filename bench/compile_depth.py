@@ -8,10 +8,11 @@ One model config (``--model``: a HF config.json; default: the ``tiny`` preset of
 the way `splitrl plan` builds them (`splitrl_app.planning.services`): the trainer's "grad_step"
 (forward, backward, accumulation) plus "apply_update" (the optax update), and the sampler's
 "decode" segment (also "prefill" and "admit", printed beside it). The sampler's programs are
-compiled twice: with the slot cache, whose decode runs its layers apart (unrolled) on CPU, and
-with the paged cache (``sampler.decode_attention=paged``), whose decode scans its layers on
-every platform as a TPU or GPU plan compiles it: the ratio line's "decode" is that scanned one,
-the CPU's unrolled decode is printed beside it. Batch shapes come from the
+compiled twice: with the slot cache, whose programs run its layers apart (unrolled, over
+weights and a cache held per layer) on CPU, and with the paged cache
+(``sampler.decode_attention=paged``), whose programs scan the layers on every platform as a
+TPU or GPU plan compiles them: the ratio line's "decode" is that scanned one, the CPU's
+unrolled decode is printed beside it. Batch shapes come from the
 run config (built-in defaults, a one-device mesh per service, and the small overrides below;
 pass ``KEY=VALUE`` to change them).
 
@@ -103,9 +104,9 @@ def measure(args) -> dict:
 
     from sampler_service.requests import PinnedWeights
 
-    # The slot cache's decode as this CPU runs it (its layers apart, unrolled:
-    # `kv_cache.CacheLayout.layers_apart`), then the paged cache's, which scans its layers on
-    # every platform, as TPU and GPU plans compile it ("decode scanned").
+    # The slot cache's programs as this CPU runs them (the layers apart, unrolled:
+    # `kv_cache.CacheLayout.layers_apart`), then the paged cache's, which scan the layers on
+    # every platform, as TPU and GPU plans compile them ("decode scanned").
     for suffix, attention in (("", "auto"), (" scanned", "paged")):
         sampler = SamplerPlanner(load_config(None, SMALL_RUN + list(args.overrides) + [
             f"sampler.decode_attention={attention}"]), config, target)

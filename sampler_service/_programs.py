@@ -4,10 +4,12 @@ All three run the model through its own forward (`CausalLM.forward_with`, a scan
 stacked layers) with an attention backend: prefill with `DenseAttention.keeping_kv` (causal
 over each padded prompt, returning every layer's keys/values, stacked), decode with
 `kv_cache.SlotDecodeAttention` (one token per row, written in place into the row's cache slot
-of each layer; on CPU decode runs its layers apart instead of the scan,
-`kv_cache.CacheLayout.layers_apart`). Weights are an argument
-(``state``), never a closure constant, so one compiled program serves every weight version of
-the same shapes; the static arguments are the bucketed shapes and a `SamplePlan`.
+of each layer). On CPU (`kv_cache.CacheLayout.layers_apart`) the weights come with each
+layer's arrays apart (`served_weights`, views of the stacked ones) and the cache holds each
+layer in arrays of its own, so the three run their layers unrolled over those instead of the
+scan: no layer is copied out of a stack. Weights are an argument (``leaves``), never a closure
+constant, so one compiled program serves every weight version of the same shapes; the static
+arguments are the bucketed shapes and a `SamplePlan`.
 
 1. `prefill`: prompts packed into rows of W tokens (several short prompts share a row, each
    attending only to itself, so padding is what the packing leaves, not every prompt's gap
@@ -39,7 +41,7 @@ from jax.sharding import NamedSharding
 
 from sampler_service import sampling
 from sampler_service.kv_cache import CacheLayout, SlotDecodeAttention
-from splitrl.models import DenseAttention
+from splitrl.models import DenseAttention, layer_views
 
 RowArray = jax.Array | np.ndarray
 
@@ -78,18 +80,31 @@ def _is_stop(tokens, stop_ids):
     return jnp.any(tokens[:, None] == stop_ids, axis=-1)
 
 
+def served_weights(state, layers_apart: bool):
+    """What the programs take as weights (flattened): the model's ``state``, and with
+    ``layers_apart`` (`kv_cache.CacheLayout.layers_apart`) each decoder layer's weights as
+    arrays of their own, views of the stacked ones on CPU (`splitrl.models.layer_views`: no
+    copy, nothing held twice). Made once per weight version."""
+    if not layers_apart:
+        return state
+    stacked = state["model"]["layers"]
+    return state, layer_views(stacked, jax.tree.leaves(stacked)[0].shape[0])
+
+
 class Programs:
     """`prefill` and `decode` compiled for one model structure.
 
-    Weights are passed as the flat list of the state's leaves (``jax.tree.flatten(state)[0]``,
-    made once per weight version) and the model is rebuilt inside from the static graphdef
-    and tree structure: hashing a graphdef and flattening an `nnx.State` cost milliseconds
-    per call, which a decode segment of a small model cannot afford. Get one with
-    `programs_for`, so engines of the same model share compiled programs.
+    Weights are passed as the flat list of the leaves of `served_weights`
+    (``jax.tree.flatten(...)[0]``, made once per weight version) and the model is rebuilt
+    inside from the static graphdef and tree structure: hashing a graphdef and flattening an
+    `nnx.State` cost milliseconds per call, which a decode segment of a small model cannot
+    afford. ``layers_apart``: the leaves hold each layer's weights apart too, and the
+    programs run the layers over those. Get one with `programs_for`, so engines of the same
+    model share compiled programs.
     """
 
-    def __init__(self, graphdef, treedef):
-        self.graphdef, self.treedef = graphdef, treedef
+    def __init__(self, graphdef, treedef, layers_apart: bool = False):
+        self.graphdef, self.treedef, self.layers_apart = graphdef, treedef, layers_apart
         self.prefill = jax.jit(self._prefill)
         self.admit = jax.jit(self._admit, static_argnames=("plan", "sharding", "layout"),
                              donate_argnames=("cache",))
@@ -98,18 +113,21 @@ class Programs:
                               donate_argnames=("cache",))
 
     def model(self, leaves):
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves))
+        """(the model, its layers' weights apart or None) from the weights' leaves."""
+        weights = jax.tree.unflatten(self.treedef, leaves)
+        state, layers = weights if self.layers_apart else (weights, None)
+        return nnx.merge(self.graphdef, state), layers
 
     def _prefill(self, leaves, tokens, positions, segments):
         """Packed prompts: tokens/positions/segments [B, W] (several prompts per row, each a
         run of one segment id, positions from 0; -1 = padding). Each token attends causally
         within its own prompt. Returns ((k, v) [L, B, W, K, Dh], hidden [B, W, D])."""
-        model = self.model(leaves)
+        model, layers = self.model(leaves)
         slots = jnp.arange(tokens.shape[1])
         same = segments[:, :, None] == segments[:, None, :]
         mask = same & (slots[None, :] <= slots[:, None])[None] & (segments >= 0)[:, None, :]
         backend = DenseAttention.keeping_kv(mask, model.config, model.dtype)
-        h, backend = model.forward_with(tokens, positions, backend)
+        h, backend = model.forward_with(tokens, positions, backend, layers=layers)
         return backend.kv, h
 
     def _admit(self, leaves, cache, pages, kv, hidden, row_start, row_length, row_slot,
@@ -132,7 +150,7 @@ class Programs:
         admitted rows' keys and values (no more than a layer of the cache), never a copy of
         the cache. A row's slots past its prompt keep whatever they held (stale and finite,
         masked until decode writes them)."""
-        model = self.model(leaves)
+        model, _ = self.model(leaves)
         width = layout.width(cache, pages)
         b, w = hidden.shape[:2]
         t = jnp.arange(min(w, width))
@@ -144,12 +162,13 @@ class Programs:
         def write(layer, cache):
             k, v = (jnp.take(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), source,
                              axis=0) for x in flat)  # [E, T, K, Dh]
-            cache = layout.write(cache, layer, row_slot, slot, k, v, pages)
-            if sharding is not None:
-                cache = tuple(jax.lax.with_sharding_constraint(x, sharding) for x in cache)
-            return cache
+            return layout.write(cache, layer, row_slot, slot, k, v, pages, sharding)
 
-        cache = jax.lax.fori_loop(0, flat[0].shape[0], write, tuple(cache))
+        if layout.layers_apart:  # each layer's own arrays
+            for layer in range(flat[0].shape[0]):
+                cache = write(layer, cache)
+        else:
+            cache = jax.lax.fori_loop(0, flat[0].shape[0], write, tuple(cache))
         last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
         logits = model.logits(last)  # [E, V]
         tokens, logprobs = _draw(logits, params, _row_keys(params),
@@ -159,35 +178,32 @@ class Programs:
     def _decode(self, leaves, cache, pages, last_token, length, generated, live,
                 params: RowParams, steps_limit, refill_at, *, plan: sampling.SamplePlan,
                 steps: int, sharding: NamedSharding | None, layout: CacheLayout):
-        return _decode_loop(self.model(leaves), cache, pages, last_token, length, generated,
+        model, layers = self.model(leaves)
+        return _decode_loop(model, layers, cache, pages, last_token, length, generated,
                             live, params, steps_limit, refill_at, plan=plan, steps=steps,
                             sharding=sharding, layout=layout)
 
 
 @functools.lru_cache(maxsize=8)
-def programs_for(graphdef, treedef) -> Programs:
-    return Programs(graphdef, treedef)
+def programs_for(graphdef, treedef, layers_apart: bool = False) -> Programs:
+    return Programs(graphdef, treedef, layers_apart)
 
 
-def _decode_loop(model, cache, pages, last_token, length, generated, live, params: RowParams,
-                 steps_limit, refill_at, *, plan: sampling.SamplePlan, steps: int,
-                 sharding: NamedSharding | None, layout: CacheLayout):
+def _decode_loop(model, layers, cache, pages, last_token, length, generated, live,
+                 params: RowParams, steps_limit, refill_at, *, plan: sampling.SamplePlan,
+                 steps: int, sharding: NamedSharding | None, layout: CacheLayout):
     """Up to ``min(steps, steps_limit)`` decode steps over every cache row.
 
     Row r feeds ``last_token[r]`` at position/slot ``length[r]`` (its tokens so far) and, if
     ``live[r]``, draws its token number ``generated[r]``. A live row stops on a stop id or at
     ``params.max_new`` tokens. The loop ends early when no row is live or ``refill_at`` rows
-    finished. ``pages``: the rows' page tables of a paged cache, else None. Returns (cache,
-    tokens [R, steps] (-1 where a row drew nothing), logprobs [R, steps], produced [R] tokens
-    drawn, stopped [R] ended on a stop id).
+    finished. ``layers``: each layer's weights apart (the layers run over them, unrolled) or
+    None (the model scans its stacked layers). ``pages``: the rows' page tables of a paged
+    cache, else None. Returns (cache, tokens [R, steps] (-1 where a row drew nothing),
+    logprobs [R, steps], produced [R] tokens drawn, stopped [R] ended on a stop id).
     """
     rows = last_token.shape[0]
     keys = _row_keys(params)
-    apart = layout.layers_apart
-    layers = None
-    if apart:  # each layer's weights and cache apart, once, outside the step loop
-        layers = model.layer_states()
-        cache = tuple(tuple(x[i:i + 1] for x in cache) for i in range(len(layers)))
 
     def cond(carry):
         i, _, _, _, _, live, _, _, _, _, finished = carry
@@ -196,7 +212,7 @@ def _decode_loop(model, cache, pages, last_token, length, generated, live, param
     def body(carry):
         i, cache, last, length, generated, live, out_tok, out_lp, produced, stopped, finished = (
             carry)
-        backend = SlotDecodeAttention(cache, length, layout, sharding, pages, apart)
+        backend = SlotDecodeAttention(cache, length, layout, sharding, pages)
         h, backend = model.forward_with(last[:, None], length[:, None], backend, layers=layers)
         tok, lp = _draw(model.logits(h[:, 0]), params, keys, generated, plan)
         out_tok = jax.lax.dynamic_update_slice(out_tok, jnp.where(live, tok, -1)[:, None], (0, i))
@@ -214,6 +230,4 @@ def _decode_loop(model, cache, pages, last_token, length, generated, live, param
              jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool), jnp.int32(0))
     carry = jax.lax.while_loop(cond, body, carry)
     _, cache, _, _, _, _, out_tok, out_lp, produced, stopped, _ = carry
-    if apart:
-        cache = tuple(jnp.concatenate(parts) for parts in zip(*cache, strict=True))
     return cache, out_tok, out_lp, produced, stopped

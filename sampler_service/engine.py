@@ -167,8 +167,8 @@ class GenerationEngine:
             raise ValueError(
                 f"kv_cache_bytes {budget} holds no sequence of max_sequence_length "
                 f"{self.max_sequence_length} (one needs {need + need // probe.num_arrays} "
-                f"bytes: {probe.bytes_per_token} per token, plus its keys or its values, held "
-                "twice while the cache is resized)")
+                f"bytes: {probe.bytes_per_token} per token, plus the one array held twice while "
+                "the cache is resized: its keys or its values, on CPU one layer's)")
         return cache
 
     def _page_pool(self, config, dtype, layout, rows: int, kv_cache_bytes: int, pages: int,

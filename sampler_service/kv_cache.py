@@ -1,12 +1,16 @@
 """The decode KV cache: one contiguous row per sequence, resized between segments, under a budget.
 
-Layout (`CacheLayout`, chosen by the platform that decodes): every layer stacked on the leading
-axis as the model's weights are (its forward scans the layers, reading and writing layer l at a
-dynamic index); R rows (one per sequence in flight), S slots. On CPU, keys ``[L, R, K, Dh, S]``
-(transposed, so the score reduction streams along contiguous slots) and values
-``[L, R, K, S, Dh]``; on TPU and GPU both ``[L, R, S, K, Dh]``, the layout the TPU compiler
-gives a slot write and the decode matmuls (with any other, it keeps the whole cache in its own
-layout beside the argument for the program's length: a second copy of the cache). With
+Layout (`CacheLayout`, chosen by the platform that decodes): R rows (one per sequence in
+flight), S slots. On CPU the layers apart, as the sampler's CPU weights are
+(`_programs.served_weights`): one (keys, values) pair per layer, keys ``[R, K, Dh, S]``
+(transposed, so the score reduction streams along contiguous slots) and values ``[R, K, S, Dh]``,
+so prefill, admit and decode each read and write a layer's own buffers (XLA:CPU's matmul and
+reduction kernels take whole buffers: a layer sliced out of a stacked array would be copied
+before every read, bench/README.md). On TPU and GPU every layer stacked on the leading axis as
+the model's weights are (its forward scans the layers, reading and writing layer l at a
+dynamic index), keys and values both ``[L, R, S, K, Dh]``, the layout the TPU compiler gives a
+slot write and the decode matmuls (with any other, it keeps the whole cache in its own layout
+beside the argument for the program's length: a second copy of the cache). With
 ``sampler.decode_attention`` "paged" (the default on TPU) the cache is
 `paged_cache.PagedCache` instead: a page pool shared by the rows, which the Pallas
 `paged_attention` kernel reads through page tables.
@@ -20,7 +24,8 @@ handful of compiled programs serve a run. Measured on XLA CPU: attention over a 
 of a wider cache is ~2x slower than over an array of exactly that width, hence the resize.
 
 Budget: ``budget_bytes`` bounds everything the cache holds at any moment, including the one
-array (all keys, or all values) that is alive twice while a resize copies it. `SlotCache.fits`
+array (all keys or all values, or on CPU one layer's) that is alive twice while a resize copies
+it. `SlotCache.fits`
 is the admission test; the engine reserves each sequence's *final* width (prompt +
 max_new_tokens) so a running batch never has to grow past the budget. `allocated_bytes` /
 `peak_bytes` are the accounting.
@@ -66,9 +71,10 @@ class CacheShape:
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-    """Where the slot axis of the cache's keys and values is (module docstring): last on CPU
-    (``slot_major=False``), right after the rows elsewhere. Every program that reads or writes
-    the cache goes through it, so a layout exists in one place."""
+    """How the cache's keys and values are held (module docstring): on CPU (``slot_major``
+    False) one (keys, values) pair per layer with the slot axis last, elsewhere the layers
+    stacked with the slot axis right after the rows. Every program that reads or writes the
+    cache goes through it, so a layout exists in one place."""
 
     slot_major: bool
 
@@ -76,62 +82,88 @@ class CacheLayout:
     def for_mesh(cls, mesh: Mesh) -> CacheLayout:
         return cls(slot_major=any(d.platform != "cpu" for d in mesh.devices.flat))
 
+    @property
+    def layers_apart(self) -> bool:
+        """Whether the cache, and the weights the programs take (`_programs.served_weights`),
+        hold each layer in arrays of its own, and the programs run the layers unrolled over
+        them (a Python int for the layer) rather than scan the stacked arrays. On CPU (not
+        ``slot_major``): XLA:CPU's matmul and reduction kernels take whole buffers, so a scan
+        copies each layer's weights and keys/values out of the stacked arrays at every step
+        before reading them (bench/README.md, issue 37's regression); held apart, nothing is
+        copied and everything is held once. TPU and GPU fuse a layer's slice into its reader
+        and keep the scan, whose compile time is flat in depth; the CPU's grows with it
+        (bench/compile_depth.py prints both decodes)."""
+        return not self.slot_major
+
     def shapes(self, config: TransformerConfig, rows: int, width: int) -> tuple[tuple, tuple]:
-        """(keys' shape, values' shape) of a cache of ``rows`` x ``width`` slots."""
+        """(keys' shape, values' shape) of one array of a cache of ``rows`` x ``width`` slots:
+        all layers' when stacked, one layer's when `layers_apart`."""
         c = config
         if self.slot_major:
             shape = (c.num_layers, rows, width, c.num_kv_heads, c.head_dim)
             return shape, shape
-        return ((c.num_layers, rows, c.num_kv_heads, c.head_dim, width),
-                (c.num_layers, rows, c.num_kv_heads, width, c.head_dim))
+        return ((rows, c.num_kv_heads, c.head_dim, width),
+                (rows, c.num_kv_heads, width, c.head_dim))
+
+    def arrange(self, config: TransformerConfig, rows: int, width: int, make) -> tuple:
+        """The cache's arrays, each ``make(shape)``: (keys, values) stacked over the layers,
+        or one (keys, values) pair per layer when `layers_apart`."""
+        k, v = self.shapes(config, rows, width)
+        if self.layers_apart:
+            return tuple((make(k), make(v)) for _ in range(config.num_layers))
+        return make(k), make(v)
 
     @property
     def slot_axes(self) -> tuple[int, int]:
-        return (2, 2) if self.slot_major else (4, 3)
-
-    row_axis = 1
+        """The slot axis of the keys' and of the values' arrays."""
+        return (2, 2) if self.slot_major else (3, 2)
 
     @property
-    def layers_apart(self) -> bool:
-        """Whether decode runs the layers unrolled over each layer's own weights and cache
-        (split from the stacked arrays once per decode segment), rather than the scan. On CPU
-        (not ``slot_major``): XLA:CPU's matmul and reduction kernels take whole buffers, so a
-        scan copies each layer's weights and keys/values out of the stacked arrays, at every
-        step, before reading them (bench/README.md, issue 37's regression). TPU and GPU fuse
-        the layer's slice into its reader and keep the scan (compile time flat in depth).
-        The price on CPU: while a decode segment runs it holds the weights and the cache
-        twice (the stacked arrays and the layers' copies), which `fits` does not count, and
-        its compile time grows with depth (bench/compile_depth.py prints both decodes)."""
-        return not self.slot_major
-
-    def width(self, cache: tuple, pages=None) -> int:
-        """Slots per row of ``cache`` (``pages``: the paged layout's; unused here)."""
-        return cache[0].shape[self.slot_axes[0]]
+    def row_axis(self) -> int:
+        return 1 if self.slot_major else 0
 
     @property
     def head_axis(self) -> int:
-        return 3 if self.slot_major else 2
+        return 3 if self.slot_major else 1
 
-    def write(self, cache: tuple, layer, rows, slots, k, v, pages=None) -> tuple:
+    def _layer(self, cache: tuple, layer) -> tuple[tuple, int | jax.Array | tuple]:
+        """(keys, values) holding layer ``layer``, and the index before a row's in them."""
+        if self.layers_apart:
+            return cache[layer], ()
+        return cache, (layer,)
+
+    def width(self, cache: tuple, pages=None) -> int:
+        """Slots per row of ``cache`` (``pages``: the paged layout's; unused here)."""
+        (k_cache, _), _ = self._layer(cache, 0)
+        return k_cache.shape[self.slot_axes[0]]
+
+    def write(self, cache: tuple, layer, rows, slots, k, v, pages=None,
+              sharding: NamedSharding | None = None) -> tuple:
         """Keys/values ``k, v`` [N, P, K, Dh] at slots ``slots`` [N, P] of rows ``rows`` [N]
         in layer ``layer`` (in place when ``cache`` is donated; an index past the cache:
-        dropped; ``pages``: the paged layout's, unused here). One layer at a time: with the
-        layer axis in the written window, the TPU compiler lays the whole cache out again for
-        the scatter (a second copy of it)."""
-        k_cache, v_cache = cache
+        dropped; ``pages``: the paged layout's, unused here), the written arrays laid out by
+        ``sharding``. One layer at a time: with the layer axis in the written window, the
+        TPU compiler lays the whole cache out again for the scatter (a second copy of it)."""
+        (k_cache, v_cache), at = self._layer(cache, layer)
         rows = rows[:, None]
         if self.slot_major:
-            return (k_cache.at[layer, rows, slots].set(k.astype(k_cache.dtype), mode="drop"),
-                    v_cache.at[layer, rows, slots].set(v.astype(v_cache.dtype), mode="drop"))
-        return (k_cache.at[layer, rows, :, :, slots].set(k.astype(k_cache.dtype), mode="drop"),
-                v_cache.at[layer, rows, :, slots, :].set(v.astype(v_cache.dtype), mode="drop"))
+            k_at = v_at = (*at, rows, slots)
+        else:
+            k_at, v_at = (*at, rows, slice(None), slice(None), slots), (*at, rows, slice(None),
+                                                                        slots, slice(None))
+        written = (k_cache.at[k_at].set(k.astype(k_cache.dtype), mode="drop"),
+                   v_cache.at[v_at].set(v.astype(v_cache.dtype), mode="drop"))
+        if sharding is not None:
+            written = tuple(jax.lax.with_sharding_constraint(x, sharding) for x in written)
+        if self.layers_apart:
+            return cache[:layer] + (written,) + cache[layer + 1:]
+        return written
 
     def attend(self, q, cache: tuple, layer, length, pages=None):
         """Decode attention of q [R, H, Dh] over layer ``layer`` of each row's slots
         ``< length[r]``."""
-        k_cache, v_cache = cache
-        return slot_attend(q, k_cache[layer], v_cache[layer], length,
-                           slot_major=self.slot_major)
+        (k_cache, v_cache), at = self._layer(cache, layer)
+        return slot_attend(q, k_cache[at], v_cache[at], length, slot_major=self.slot_major)
 
 
 DECODE_ATTENTION = ("auto", "xla", "paged")
@@ -175,12 +207,13 @@ class SlotCache:
         self.max_rows = int(max_rows)
         self.layout = CacheLayout.for_mesh(mesh) if layout is None else layout
         self.max_width = int(max_width)
-        self.num_arrays = 2  # keys, values (each stacked over the layers)
+        # keys and values (each stacked over the layers), or a pair per layer
+        self.num_arrays = 2 * (config.num_layers if self.layout.layers_apart else 1)
         # keys + values of one token over all layers
-        self.bytes_per_token = (self.num_arrays * config.num_layers * config.num_kv_heads
-                                * config.head_dim * self.dtype.itemsize)
+        self.bytes_per_token = (2 * config.num_layers * config.num_kv_heads * config.head_dim
+                                * self.dtype.itemsize)
         self.shape: CacheShape | None = None
-        self.arrays: tuple | None = None  # (k [L,R,K,Dh,S], v [L,R,K,S,Dh])
+        self.arrays: tuple | None = None  # as `CacheLayout.arrange` arranges them
         self.allocated_bytes = 0
         self.peak_bytes = 0
         self._shardings: dict[int, NamedSharding] = {}
@@ -253,16 +286,16 @@ class SlotCache:
                 heads.append(name)
             elif rows % (size * int(np.prod([sizes[a] for a in batch] or [1]))) == 0:
                 batch.append(name)
-        spec: list[tuple[str, ...] | None] = [None] * 5
+        spec: list[tuple[str, ...] | None] = [None] * (4 if self.layout.layers_apart else 5)
         spec[self.layout.row_axis] = tuple(batch) or None
         spec[self.layout.head_axis] = tuple(heads) or None
         return NamedSharding(self.mesh, PartitionSpec(*spec))
 
     def resize(self, shape: CacheShape, sources: np.ndarray) -> None:
         """Re-lay the cache as ``shape``: new row i takes old row ``sources[i]`` (-1: nothing
-        to keep), cut or padded to the new width. The keys first, then the values, each old
-        array dropped once copied, so at most one array is alive twice; the first call
-        allocates."""
+        to keep), cut or padded to the new width. One array after the other (the keys, then
+        the values; on CPU layer after layer), each old array dropped once copied, so at most
+        one array is alive twice; the first call allocates."""
         if self.arrays is None:
             self.shape, self.arrays = shape, _zeros(self, shape)
             self._account(self.shape_bytes(shape))
@@ -272,22 +305,25 @@ class SlotCache:
         new_bytes = self.shape_bytes(shape) // self.num_arrays
         sharding = self.sharding(shape.rows)
         src = jnp.asarray(np.maximum(np.asarray(sources, np.int32), 0))
-        arrays, held = list(self.arrays), self.num_arrays * old_bytes
+        arrays, treedef = jax.tree.flatten(self.arrays)
+        held = self.num_arrays * old_bytes
         self.arrays = None
-        for i, axis in enumerate(self.layout.slot_axes):
+        for i in range(len(arrays)):  # keys, values, (keys, values, ...)
             self._account(held + new_bytes)
-            arrays[i] = _relayout(arrays[i], src, width=shape.width, axis=axis,
+            arrays[i] = _relayout(arrays[i], src, width=shape.width,
+                                  axis=self.layout.slot_axes[i % 2],
                                   row_axis=self.layout.row_axis, sharding=sharding)
             held += new_bytes - old_bytes
-        self.shape, self.arrays = shape, tuple(arrays)
+        self.shape, self.arrays = shape, jax.tree.unflatten(treedef, arrays)
         self._account(self.shape_bytes(shape))
 
     def abstract_arrays(self, shape: CacheShape) -> tuple:
         """The arrays of a cache of ``shape`` as sharded ShapeDtypeStructs (for lowering the
         programs ahead of time: nothing is allocated)."""
         sharding = self.sharding(shape.rows)
-        return tuple(jax.ShapeDtypeStruct(s, self.dtype, sharding=sharding)
-                     for s in self.layout.shapes(self.config, shape.rows, shape.width))
+        return self.layout.arrange(self.config, shape.rows, shape.width,
+                                   lambda s: jax.ShapeDtypeStruct(s, self.dtype,
+                                                                  sharding=sharding))
 
     def release(self) -> None:
         """Drop the arrays (after a failed program, or when idle)."""
@@ -296,8 +332,9 @@ class SlotCache:
 
 
 def _zeros(cache: SlotCache, shape: CacheShape) -> tuple:
-    shapes = cache.layout.shapes(cache.config, shape.rows, shape.width)
-    return zeros_program(tuple(shapes), cache.dtype, cache.sharding(shape.rows))()
+    leaves, treedef = jax.tree.flatten(cache.abstract_arrays(shape))
+    zeros = zeros_program(tuple(x.shape for x in leaves), cache.dtype, cache.sharding(shape.rows))
+    return jax.tree.unflatten(treedef, zeros())
 
 
 @functools.cache
@@ -332,27 +369,20 @@ class SlotDecodeAttention:
 
     Each row feeds one token: its key/value is written in place at slot ``write[r]`` of its
     row in layer ``layer``, then the query attends to the row's slots ``< write[r] + 1`` of
-    that layer. ``cache`` is the cache's (keys, values), stacked over the layers (the model
-    scans its layers: ``layer`` is a traced index), or, with ``apart``, one (keys, values)
-    pair per layer, each with a layer axis of 1 (the layers unrolled: ``layer`` a Python int;
-    see `CacheLayout.layers_apart`).
+    that layer. ``layer`` is a traced index when the model scans its layers over a stacked
+    cache, a Python int when they run apart (`CacheLayout.layers_apart`).
     """
 
-    cache: tuple  # (keys, values) as ``layout`` lays them out; ``apart``: one pair per layer
+    cache: tuple  # as ``layout`` arranges it
     write: jax.Array  # [R] int32
     layout: CacheLayout = dataclasses.field(default=CacheLayout(False),
                                             metadata=dict(static=True))
     sharding: NamedSharding | None = dataclasses.field(default=None, metadata=dict(static=True))
     pages: jax.Array | None = None  # [R, n] int32 page tables (`paged_cache.PagedLayout`)
-    apart: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def attend(self, layer, q, k, v):
-        cache, index = (self.cache[layer], 0) if self.apart else (self.cache, layer)
         rows = jnp.arange(self.write.shape[0])
-        cache = self.layout.write(cache, index, rows, self.write[:, None], k, v, self.pages)
-        if self.sharding is not None:
-            cache = tuple(jax.lax.with_sharding_constraint(x, self.sharding) for x in cache)
-        out = self.layout.attend(q[:, 0], cache, index, self.write + 1, self.pages)
-        if self.apart:
-            cache = self.cache[:layer] + (cache,) + self.cache[layer + 1:]
+        cache = self.layout.write(self.cache, layer, rows, self.write[:, None], k, v,
+                                  self.pages, self.sharding)
+        out = self.layout.attend(q[:, 0], cache, layer, self.write + 1, self.pages)
         return out[:, None], dataclasses.replace(self, cache=cache)

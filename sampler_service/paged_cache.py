@@ -91,10 +91,12 @@ class PagedLayout:
         """Slots a row can address through ``pages``."""
         return pages.shape[1] * self.page_size
 
-    def write(self, cache: tuple, layer, rows, slots, k, v, pages) -> tuple:
+    def write(self, cache: tuple, layer, rows, slots, k, v, pages,
+              sharding: NamedSharding | None = None) -> tuple:
         """Keys/values ``k, v`` [N, P, K, Dh] at slots ``slots`` [N, P] of rows ``rows`` [N]
         in layer ``layer``, through the rows' page tables (in place when ``cache`` is
-        donated; a row past the tables or a slot past their width: dropped)."""
+        donated; a row past the tables or a slot past their width: dropped), the pools laid
+        out by ``sharding``."""
         k_cache, v_cache = cache
         table_rows, columns = pages.shape
         rows = rows[:, None]
@@ -105,8 +107,11 @@ class PagedLayout:
         # cache's minor one (as `kv_cache.CacheLayout.write` says why).
         heads = jnp.arange(k_cache.shape[self.head_axis])[None, None, :]
         at = (layer, heads, page[:, :, None], (slots % self.page_size)[:, :, None])
-        return (k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop"),
-                v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop"))
+        written = (k_cache.at[at].set(k.astype(k_cache.dtype), mode="drop"),
+                   v_cache.at[at].set(v.astype(v_cache.dtype), mode="drop"))
+        if sharding is not None:
+            written = tuple(jax.lax.with_sharding_constraint(x, sharding) for x in written)
+        return written
 
     def attend(self, q, cache: tuple, layer, length, pages):
         """Decode attention of q [R, H, Dh] over layer ``layer`` of each row's slots

@@ -92,7 +92,7 @@ class _Weights:
     version: int
     state: object
     pinned: bool
-    leaves: list = dataclasses.field(default_factory=list)  # the state's, flattened once
+    leaves: list = dataclasses.field(default_factory=list)  # `served_weights`', flattened once
     programs: _programs.Programs | None = None
 
 
@@ -242,9 +242,10 @@ class Scheduler:
             self.stats["weight_swaps_in_flight"] += 1
 
     def _adopt(self, weights: _Weights) -> None:
-        leaves, treedef = jax.tree.flatten(weights.state)
+        apart = self.cache.layout.layers_apart
+        leaves, treedef = jax.tree.flatten(_programs.served_weights(weights.state, apart))
         weights.leaves = leaves
-        weights.programs = _programs.programs_for(self.graphdef, treedef)
+        weights.programs = _programs.programs_for(self.graphdef, treedef, apart)
         self.weights = weights
 
     def _weights_for(self, request: GenerationRequest, batch_empty: bool) -> _Weights | None:

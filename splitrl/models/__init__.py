@@ -50,6 +50,7 @@ from splitrl.models.params import (
     param_shapes,
     state_from_hf,
 )
+from splitrl.models.stacking import layer_views
 from splitrl.models.transformer import CausalLM, abstract_model, apply, init_random
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "hf_state_dict",
     "init_cache",
     "init_random",
+    "layer_views",
     "left_pad_positions",
     "load_config",
     "load_hf_state_dict",

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 LAYERS = "model.layers."
 _PER_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -93,3 +94,49 @@ def unstack_layers(flat: Mapping[str, np.ndarray | jax.Array]) -> dict:
         else:
             out[name] = value
     return out
+
+
+def layer_views(stacked, num_layers: int) -> list:
+    """The stacked decoder layers' parameters ``stacked`` (a pytree such as
+    ``nnx.state(model.model.layers)``, every leaf [L, ...]) as one pytree per layer, for
+    `CausalLM.forward_with`'s ``layers``.
+
+    A layer's array on a CPU device is a view of the stacked array's memory, no copy
+    (XLA:CPU holds arrays in host memory and aliases a host buffer rather than copy it when
+    it is 64-byte aligned, as a layer is whose bytes are a multiple of 64; a view also keeps
+    the stacked buffer alive): the sampler's CPU programs
+    read each layer's weights as a whole buffer of its own, which a slice inside a program
+    is not (it is copied before every matmul that reads it), without holding the weights
+    twice. Off CPU, or with the layer axis sharded, each layer is sliced (a copy).
+    ``jax.ShapeDtypeStruct`` leaves (a plan's abstract weights) give one layer's struct."""
+    def apart(x):
+        layout = _layer_sharding(x)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=layout)] * num_layers
+        cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
+        if layout is None or not cpu:
+            return [x[i] for i in range(num_layers)]
+        shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
+        return [jax.make_array_from_single_device_arrays(
+                    x.shape[1:], layout, [jax.device_put(host[i], device)
+                                          for device, host in shards])
+                for i in range(num_layers)]
+
+    leaves, treedef = jax.tree.flatten(stacked)
+    per_leaf = [apart(x) for x in leaves]
+    return [jax.tree.unflatten(treedef, [p[i] for p in per_leaf]) for i in range(num_layers)]
+
+
+def _layer_sharding(x) -> NamedSharding | None:
+    """One layer's sharding of the stacked ``x`` (its own without the layer axis), or None
+    when the layer axis is split over devices (a layer is then not one shard's slice)."""
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        if spec[0] is not None:
+            return None
+        return NamedSharding(sharding.mesh, PartitionSpec(*spec[1:]),
+                             memory_kind=sharding.memory_kind)
+    if sharding is not None and len(sharding.device_set) == 1:
+        return sharding  # one device (not a mesh's): the layer's array on it
+    return None

@@ -6,8 +6,9 @@ the decoder layers are ONE `DecoderLayer` whose parameters are stacked on a lead
 axis (`model.layers.self_attn.q_proj.weight` [L, in, out], see `stacking.py`) and applied by
 `jax.lax.scan`: every program (train step, prefill, decode) traces and compiles one layer body,
 so compile time and program size do not grow with depth (MaxText's ``scan_layers``). A caller
-can run the layers unrolled instead (`forward_with`'s ``layers``), as the sampler's decode does
-on CPU, where a scan copies each layer's weights out of the stack before its matmuls.
+can run the layers unrolled instead, over weights held per layer (`forward_with`'s ``layers``),
+as the sampler's programs do on CPU, where a scan copies each layer's weights out of the stack
+before its matmuls.
 
 Calling convention (shared by trainer and sampler):
 
@@ -152,9 +153,10 @@ class CausalLM(nnx.Module):
         after the last layer). A generation engine passes its own cache layout here, so the
         model's forward exists once for training, prefill and decode.
 
-        ``layers`` (`layer_states`: one state per layer) runs the layers one after the other,
-        unrolled, each with its own weights (``attention`` then gets a Python int for the
-        layer), instead of the scan over the stacked weights (a traced index).
+        ``layers`` (one state per layer, as `stacking.layer_views` makes them) runs the layers
+        one after the other, unrolled, each with its own weights (``attention`` then gets a
+        Python int for the layer), instead of the scan over the stacked weights (a traced
+        index); the model's own stacked layers are then not read.
         """
         cos, sin = rope_tables(inv_frequencies(self.config), positions)
         x = self.model.embed_tokens(tokens)
@@ -175,14 +177,6 @@ class CausalLM(nnx.Module):
         (x, attention, _), _ = jax.lax.scan(layer_step, (x, attention, jnp.int32(0)), stacked,
                                             unroll=_layer_unroll())
         return self.model.norm(x), attention
-
-    def layer_states(self) -> list:
-        """Each decoder layer's weights apart (copies sliced out of the stacked ones), for
-        `forward_with`'s ``layers``: a program that runs the layers many times (a decode loop)
-        slices them once, before its loop, instead of once per layer and step."""
-        stacked = nnx.state(self.model.layers)
-        return [jax.tree.map(lambda w, i=i: w[i], stacked)
-                for i in range(self.config.num_layers)]
 
 
 def _layer_unroll() -> bool | int:

@@ -37,35 +37,40 @@ def test_buckets_are_powers_of_two_within_their_caps():
                                                                           200]
 
 
-def test_budget_counts_the_array_held_twice_during_a_resize(mesh):
-    # 4 rows x 32 slots = 32 KiB of cache, + its keys (or values: all layers, stacked) while
-    # a resize copies them.
-    cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=49152, max_rows=8, max_width=32)
+@pytest.mark.parametrize("slot_major", [False, True], ids=["cpu-layout", "slot-major"])
+def test_budget_counts_the_array_held_twice_during_a_resize(mesh, slot_major):
+    # 4 rows x 32 slots = 32 KiB of cache, + the array a resize copies: its keys (or values)
+    # of all layers when stacked, of one layer when the layers are apart (the CPU's).
+    budget = 32768 + (8192 if not slot_major else 16384)
+    layout = CacheLayout(slot_major)
+    cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=budget, max_rows=8, max_width=32,
+                      layout=layout)
     assert cache.bytes_per_token == BYTES_PER_TOKEN
     assert cache.fits(4, 32) and not cache.fits(5, 32)
     assert cache.fits(8, 16) is False  # widths below 32 still take a 32-slot row
     assert cache.guaranteed_rows() == 4
-    assert SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=49151, max_rows=8,
-                     max_width=32).guaranteed_rows() == 2
+    assert SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=budget - 1, max_rows=8,
+                     max_width=32, layout=layout).guaranteed_rows() == 2
 
 
 def test_resize_moves_rows_and_keeps_their_slots(mesh):
     cache = SlotCache(CONFIG, jnp.float32, mesh, budget_bytes=1 << 20, max_rows=8, max_width=128)
     cache.resize(CacheShape(4, 32), np.full(4, -1))
     assert cache.allocated_bytes == 4 * 32 * BYTES_PER_TOKEN
-    k, v = cache.arrays  # [layers, rows, ...]
-    marked_k = k.at[1, 2].set(jnp.arange(2 * 8 * 32, dtype=jnp.float32).reshape(2, 8, 32))
-    marked_v = v.at[1, 2].set(7.0)
-    cache.arrays = (marked_k, marked_v)
+    (k0, v0), (k, v) = cache.arrays  # the CPU's: a (keys, values) pair per layer
+    marked_k = k.at[2].set(jnp.arange(2 * 8 * 32, dtype=jnp.float32).reshape(2, 8, 32))
+    marked_v = v.at[2].set(7.0)
+    cache.arrays = ((k0, v0), (marked_k, marked_v))
     cache.resize(CacheShape(2, 64), np.array([2, -1]))  # old row 2 becomes row 0, wider
-    k, v = cache.arrays
-    assert k.shape == (2, 2, 2, 8, 64) and v.shape == (2, 2, 2, 64, 8)
-    np.testing.assert_array_equal(k[1, 0, :, :, :32], marked_k[1, 2])
-    np.testing.assert_array_equal(v[1, 0, :, :32], 7.0)
-    np.testing.assert_array_equal(k[0, 0, :, :, :32], 0.0)  # the other layer's row, moved too
+    (k0, _), (k, v) = cache.arrays
+    assert k.shape == k0.shape == (2, 2, 8, 64) and v.shape == (2, 2, 64, 8)
+    np.testing.assert_array_equal(k[0, :, :, :32], marked_k[2])
+    np.testing.assert_array_equal(v[0, :, :32], 7.0)
+    np.testing.assert_array_equal(k0[0, :, :, :32], 0.0)  # the other layer's row, moved too
     assert cache.allocated_bytes == 2 * 64 * BYTES_PER_TOKEN
-    # Peak: the old cache plus one new array (shrinking rows, doubling width: same size).
-    assert cache.peak_bytes == 4 * 32 * BYTES_PER_TOKEN + 2 * 64 * BYTES_PER_TOKEN // 2
+    # Peak: the old cache plus one new array, one layer's keys (shrinking rows, doubling
+    # width: same size).
+    assert cache.peak_bytes == 4 * 32 * BYTES_PER_TOKEN + 2 * 64 * BYTES_PER_TOKEN // 4
 
 
 def _as_slot_major(k_cache, v_cache):
@@ -74,6 +79,22 @@ def _as_slot_major(k_cache, v_cache):
     lead = tuple(range(nd - 3))
     return (k_cache.transpose(*lead, nd - 1, nd - 3, nd - 2),
             v_cache.transpose(*lead, nd - 2, nd - 3, nd - 1))
+
+
+def _laid_out(k_cache, v_cache, slot_major: bool) -> tuple:
+    """Stacked CPU-layout keys and values [L, ...] as ``CacheLayout(slot_major)`` holds them:
+    slot-major and stacked, or one (keys, values) pair per layer."""
+    if slot_major:
+        return _as_slot_major(k_cache, v_cache)
+    return tuple(zip(k_cache, v_cache, strict=True))
+
+
+def _stacked_cpu_layout(cache: tuple, slot_major: bool) -> tuple:
+    """The inverse of `_laid_out`: stacked CPU-layout keys and values [L, ...]."""
+    if slot_major:
+        k_cache, v_cache = cache
+        return k_cache.transpose(0, 1, 3, 4, 2), v_cache.transpose(0, 1, 3, 2, 4)
+    return tuple(jnp.stack(x) for x in zip(*cache, strict=True))
 
 
 @pytest.mark.parametrize("slot_major", [False, True], ids=["cpu-layout", "slot-major"])
@@ -89,13 +110,13 @@ def test_decode_backend_writes_each_rows_token_and_attends_to_its_own_prefix(slo
     v = jnp.asarray(rng.standard_normal((rows, 1, kv_heads, dh)), jnp.float32)
     write = jnp.array([0, 5, 31], jnp.int32)
     layout = CacheLayout(slot_major)
-    stored = _as_slot_major(k_cache, v_cache) if slot_major else (k_cache, v_cache)
-    backend = SlotDecodeAttention(stored, write, layout)
-    layer = jnp.int32(1)  # traced, as under the model's scan over layers
-    out, backend = jax.jit(lambda b, q, k, v, i: b.attend(i, q, k, v))(backend, q, k, v, layer)
-    all_k, all_v = backend.cache
-    if slot_major:  # back to the CPU layout for the checks below
-        all_k, all_v = all_k.transpose(0, 1, 3, 4, 2), all_v.transpose(0, 1, 3, 2, 4)
+    backend = SlotDecodeAttention(_laid_out(k_cache, v_cache, slot_major), write, layout)
+    if slot_major:  # traced, as under the model's scan over layers
+        out, backend = jax.jit(lambda b, q, k, v, i: b.attend(i, q, k, v))(
+            backend, q, k, v, jnp.int32(1))
+    else:  # the layers apart: a Python int, the layer's own arrays
+        out, backend = jax.jit(lambda b, q, k, v: b.attend(1, q, k, v))(backend, q, k, v)
+    all_k, all_v = _stacked_cpu_layout(backend.cache, slot_major)
     np.testing.assert_array_equal(all_k[0], k_cache[0])  # other layers untouched
     np.testing.assert_array_equal(all_v[0], v_cache[0])
     new_k, new_v = all_k[1], all_v[1]
@@ -122,8 +143,9 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
 
     model = init_random(CONFIG, seed=0, std=0.3)
     graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    programs = _programs.programs_for(graphdef, treedef)
+    layout = CacheLayout(slot_major)
+    leaves, treedef = jax.tree.flatten(_programs.served_weights(state, layout.layers_apart))
+    programs = _programs.programs_for(graphdef, treedef, layout.layers_apart)
     prompts = [np.array([5, 6, 7], np.int32), np.array([9, 10, 11, 12, 13], np.int32)]
     tokens, positions, segments, starts = pack_prompts(prompts, 32, 0)
     kv, hidden = programs.prefill(leaves, tokens, positions, segments)
@@ -140,13 +162,10 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
         versions=np.zeros((n, 2), np.uint32), temperature=np.ones(n, np.float32),
         top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=np.ones(n, bool),
         max_new=np.full(n, 4, np.int32), stop_ids=np.full((n, 1), -1, np.int32))
-    if slot_major:
-        cache = _as_slot_major(*cache)
-    (k_cache, v_cache), tokens, *_ = programs.admit(
-        leaves, cache, None, kv, hidden, row_start, row_length, row_slot, params,
-        plan=SamplePlan(sampled=False), sharding=None, layout=CacheLayout(slot_major))
-    if slot_major:  # back to the CPU layout for the checks below
-        k_cache, v_cache = k_cache.transpose(0, 1, 3, 4, 2), v_cache.transpose(0, 1, 3, 2, 4)
+    cache, tokens, *_ = programs.admit(
+        leaves, _laid_out(*cache, slot_major), None, kv, hidden, row_start, row_length,
+        row_slot, params, plan=SamplePlan(sampled=False), sharding=None, layout=layout)
+    k_cache, v_cache = _stacked_cpu_layout(cache, slot_major)
     assert tokens[0] == tokens[1]  # prompt 0's two rows: the same greedy first token
     k_all, v_all = (np.asarray(x).reshape(2, -1, 2, 8) for x in kv)  # [L, B*W, K, Dh]
     for row, prompt in ((2, 0), (5, 0), (0, 1)):

@@ -6,10 +6,11 @@ import dataclasses
 import gc
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HF_CONFIGS
+from conftest import HF_CONFIGS, VOCAB
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -115,6 +116,31 @@ def test_a_flat_view_of_a_state_leaves_no_garbage_holding_its_arrays(tiny_config
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_layer_views_hold_no_copy_and_run_the_scans_forward(tiny_config):
+    """On CPU each layer's weights apart (what the sampler's CPU programs read) are views of
+    the stacked arrays' memory, held once; the forward unrolled over them gives the scan's
+    hidden states."""
+    model = models.init_random(tiny_config, seed=0)
+    stacked = nnx.state(model.model.layers)
+    views = models.layer_views(stacked, tiny_config.num_layers)
+    for whole, *layers in zip(jax.tree.leaves(stacked), *map(jax.tree.leaves, views),
+                              strict=True):
+        for i, layer in enumerate(layers):
+            np.testing.assert_array_equal(layer, whole[i])
+            offset = i * whole.nbytes // whole.shape[0]
+            assert layer.unsafe_buffer_pointer() == whole.unsafe_buffer_pointer() + offset
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 5)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    mask = models.causal_mask(jnp.arange(5), jnp.arange(5), jnp.ones((2, 5), bool))
+
+    @jax.jit
+    def hidden(views):
+        return model.forward_with(tokens, positions, models.DenseAttention(mask),
+                                  layers=views)[0]
+
+    np.testing.assert_allclose(hidden(views), hidden(None), rtol=1e-6, atol=1e-6)
 
 
 def test_state_from_hf_rejects_bad_names_and_shapes(tiny_config):
