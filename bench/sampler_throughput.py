@@ -29,7 +29,10 @@ SplitRL runs each request once to compile (reported separately), then times the 
 interleaved rounds (uniform, continuous, static, uniform, ...; ``--repeats`` rounds, best of
 each kept; same seed, so the same programs), so a change in the machine's load hits every
 mode alike; transformers gets one small warm-up call. Prints tokens/s of each and the three
-ratios. XLA CPU flags: none besides the emulated device count
+ratios; each SplitRL line ends with a hash of its tokens (the same seed gives the same tokens:
+compare it across commits). ``--profile DIR`` traces the last round's runs
+(`jax.profiler`) and prints where the XLA kernels' time went, by kind (the dynamic-slice and
+concatenate fusions are copies). XLA CPU flags: none besides the emulated device count
 (``--devices``, default 1). Wall-clock figures on a shared machine depend on other
 processes: process CPU seconds are printed too, with the load average.
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import sys
 import tempfile
@@ -61,6 +65,9 @@ def parse_args():
     ap.add_argument("--skip-real-model", action="store_true",
                     help="leave out the uniform run on SmolLM2-135M-Instruct")
     ap.add_argument("--xla-flags", default="", help="extra XLA_FLAGS for the JAX engine")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="trace the last round's SplitRL runs into DIR and print the XLA "
+                         "kernels' time by kind")
     ap.add_argument("--devices", type=int, default=1,
                     help="emulated CPU devices for a data-parallel sampler mesh (experimental: "
                          "2 devices measured slower than 1 on 2 cores)")
@@ -115,7 +122,7 @@ def main():
             engines["static"] = work.engine(model, "static", args.devices)
             runs["continuous"] = (engines["continuous"], False)
             runs["static"] = (engines["static"], False)
-        ours = work.splitrl(model, runs, repeats=args.repeats)
+        ours = work.splitrl(model, runs, repeats=args.repeats, profile=args.profile)
         for engine in engines.values():
             engine.close()
         if not args.skip_long_tail:
@@ -158,7 +165,8 @@ def real_model(args, lengths, new_tokens: int, cores: int) -> None:
           f"{c.num_heads} heads / {c.num_kv_heads} kv, vocab {c.vocab_size}) from {path}; "
           f"{len(prompts)} random-token prompts x {new_tokens} new tokens", flush=True)
     engine = work.engine(model, "continuous", args.devices)
-    ours = work.splitrl(model, {"uniform": (engine, True)}, repeats=args.repeats)["uniform"]
+    ours = work.splitrl(model, {"uniform": (engine, True)}, repeats=args.repeats,
+                        profile=args.profile and f"{args.profile}/real")["uniform"]
     engine.close()
     del model
     if args.skip_transformers:
@@ -205,9 +213,10 @@ class Workloads:
                                 max_sequence_length=64 + self.new_tokens, eos_token_ids=(),
                                 pad_token_id=0, batching=batching)
 
-    def splitrl(self, model, runs: dict, *, repeats: int) -> dict:
-        """Warm each run (first call, compiles), then time ``repeats`` interleaved rounds;
-        prints and returns the best `Timing` of each run."""
+    def splitrl(self, model, runs: dict, *, repeats: int, profile: str | None = None) -> dict:
+        """Warm each run (first call, compiles), then time ``repeats`` interleaved rounds
+        (the last traced into ``profile``); prints and returns the best `Timing` of each run."""
+        import jax
         from flax import nnx
 
         from sampler_service.sampling import SamplingOptions
@@ -226,7 +235,9 @@ class Workloads:
             engine.generate(states[id(engine)], self.prompts, options, n=n)
             first[name] = time.perf_counter() - t0
         best: dict = {}
-        for _ in range(repeats):
+        for round_ in range(repeats):
+            if profile and round_ == repeats - 1:
+                jax.profiler.start_trace(profile)
             for name, (engine, uniform) in runs.items():
                 options, n = request(uniform)
                 before = engine.stats
@@ -236,6 +247,9 @@ class Workloads:
                 if name not in best or seconds < best[name][0].seconds:
                     timing = Timing(sum(len(s.token_ids) for g in out for s in g), seconds, cpu)
                     best[name] = (timing, out, before, engine.stats)
+        if profile:
+            jax.profiler.stop_trace()
+            _print_kernels(profile)
         for name, (engine, uniform) in runs.items():
             timing, out, before, after = best[name]
             self._report(name, engine.batching, uniform, timing, out, before, after,
@@ -248,6 +262,7 @@ class Workloads:
                      / max(after["row_steps"] - before["row_steps"], 1))
         name = "uniform" if uniform else f"long-tail {batching}"
         mean = sum(lengths) / len(lengths)
+        tokens = hashlib.sha256(repr([[list(s.token_ids) for s in g] for g in out]).encode())
         print(f"splitrl {name:22}: {best.tokens} tokens in {best.seconds:.2f} s = "
               f"{best.tps:8.1f} tok/s (cpu {best.cpu:.1f} s; first call incl. compile "
               f"{first:.2f} s; {len(lengths)} sequences, mean length {mean:.1f}, "
@@ -258,7 +273,8 @@ class Workloads:
               f"{after['prefill_seconds'] - before['prefill_seconds']:.2f} s of "
               f"{after['prefill_padded_tokens'] - before['prefill_padded_tokens']} tokens, "
               f"{after['prefill_tokens'] - before['prefill_tokens']} real; "
-              f"load average {os.getloadavg()[0]:.1f})", flush=True)
+              f"load average {os.getloadavg()[0]:.1f}; tokens {tokens.hexdigest()[:16]})",
+              flush=True)
 
     def transformers(self, path, *, uniform: bool) -> Timing:
         import torch
@@ -297,6 +313,33 @@ class Workloads:
               f"tok/s (cpu {cpu:.1f} s; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads)")
         return timing
+
+
+def _print_kernels(trace_dir: str, top: int = 12) -> None:
+    """The XLA:CPU kernels' time in the trace under ``trace_dir``, summed by kind (a fusion's
+    name without its number), largest first: durations are wall time, so read the shares."""
+    import collections
+    import re
+
+    from jax.profiler import ProfileData
+
+    path = sorted(Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)[-1]
+    kinds: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for plane in ProfileData.from_file(str(path)).planes:
+        for line in plane.lines:
+            if not line.name.startswith(("tf_XLAEigen", "tf_XLAPjRtCpuClient")):
+                continue
+            for event in line.events:
+                if event.name.startswith(("ThunkExecutor", "SlinkyThreadPool", "end: ")):
+                    continue
+                kind = re.sub(r"\.\d+$", "", event.name)
+                kinds[kind] += event.duration_ns
+                counts[kind] += 1
+    total = sum(kinds.values()) or 1
+    print(f"XLA kernels in {path}: {total / 1e9:.2f} s (wall) by kind:")
+    for kind, ns in kinds.most_common(top):
+        print(f"  {100 * ns / total:5.1f}%  {ns / 1e9:7.2f} s  {counts[kind]:6d} calls  {kind}")
 
 
 def _left_pad(prompts):
