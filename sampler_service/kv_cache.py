@@ -126,7 +126,7 @@ class CacheLayout:
     def head_axis(self) -> int:
         return 3 if self.slot_major else 1
 
-    def _layer(self, cache: tuple, layer) -> tuple[tuple, int | jax.Array | tuple]:
+    def _layer(self, cache: tuple, layer) -> tuple[tuple, tuple]:
         """(keys, values) holding layer ``layer``, and the index before a row's in them."""
         if self.layers_apart:
             return cache[layer], ()

@@ -68,6 +68,7 @@ class _Worker:
         self.ctx, self.args = ctx, args
         self.lock = threading.Lock()
         self.generation = 0
+        self.closed = False
         self.schemas: list[dict[str, Any]] = []
         self._spawn()
 
@@ -102,7 +103,9 @@ class _Worker:
 
     def request(self, message: tuple, deadline_s: float) -> tuple | None:
         """The reply, or None if the worker did not answer in time or died (it is replaced);
-        the caller holds ``lock``."""
+        the caller holds ``lock``. A closed worker answers nothing and is not replaced."""
+        if self.closed:
+            return None
         try:
             self.conn.send(message)
             if self.conn.poll(deadline_s):
@@ -118,6 +121,7 @@ class _Worker:
         return None
 
     def close(self) -> None:
+        self.closed = True
         try:
             self.conn.send(None)
         except (OSError, ValueError):
@@ -150,6 +154,8 @@ class ToolRunner:
                 modules.append(name.partition(":")[0])
             ctx.set_forkserver_preload(modules)
         args = (name, dict(options or {}), timeout_s, memory_mb, max_observation_chars)
+        self._episodes: dict[str, _Episode] = {}
+        self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         try:
             for _ in range(workers):
@@ -159,8 +165,6 @@ class ToolRunner:
             raise
         self.schemas: list[dict[str, Any]] = self._workers[0].schemas
         self.tool_names = [s["function"]["name"] for s in self.schemas]
-        self._episodes: dict[str, _Episode] = {}
-        self._lock = threading.Lock()
         self._next = itertools.count()
 
     @property
@@ -169,8 +173,11 @@ class ToolRunner:
 
     def start(self, episode: str, columns: dict[str, Any]) -> Started:
         """Start ``episode`` from a dataset row's columns (``reset(**columns)``)."""
-        index = next(self._next) % len(self._workers)
-        worker = self._workers[index]
+        with self._lock:
+            if not self._workers:
+                raise RuntimeError(f"the tool runner of {self.name!r} is closed")
+            index = next(self._next) % len(self._workers)
+            worker = self._workers[index]
         with worker.lock:
             reply = worker.request(("start", episode, columns), self._deadline_s)
             generation = worker.generation
@@ -185,9 +192,10 @@ class ToolRunner:
         """Run one tool call of a started episode; never raises for what the tool does."""
         with self._lock:
             state = self._episodes.get(episode)
-        if state is None:
+            workers = self._workers
+        if state is None or not workers:
             raise KeyError(f"episode {episode!r} was not started (or has ended)")
-        worker = self._workers[state.worker]
+        worker = workers[state.worker]
         start = time.perf_counter()
         with worker.lock:
             if state.generation != worker.generation and not self._restore(worker, episode,
@@ -221,9 +229,10 @@ class ToolRunner:
         """End ``episode``: its environment's ``reward`` attribute, if a number."""
         with self._lock:
             state = self._episodes.pop(episode, None)
-        if state is None:
+            workers = self._workers
+        if state is None or not workers:  # unknown, or the runner closed (and its episodes)
             return None
-        worker = self._workers[state.worker]
+        worker = workers[state.worker]
         with worker.lock:
             if state.generation != worker.generation:
                 if not self._restore(worker, episode, state):
@@ -232,9 +241,15 @@ class ToolRunner:
         return None if reply is None else reply[1]
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.close()
-        self._workers = []
+        """Stop the workers. Episodes still being driven (a sampler shutting down) then end
+        with no reward and their calls find no episode; a worker finishes the request it is
+        answering first, and is never replaced once closed."""
+        with self._lock:
+            workers, self._workers = self._workers, []
+            self._episodes.clear()
+        for worker in workers:
+            with worker.lock:
+                worker.close()
 
     def __enter__(self) -> ToolRunner:
         return self

@@ -128,6 +128,22 @@ def test_trl_environment_runs_unchanged_in_a_worker():
         assert r.end("e") == 3.0
 
 
+def test_episodes_ending_after_the_runner_closed_end_quietly_and_start_no_worker():
+    """A sampler shutting down closes its runner while episode threads still end theirs: they
+    get no reward and no IndexError, and no worker is started again after the close."""
+    r = ToolRunner(FIX + "TrlWordCounter", workers=1)
+    r.start("e", {"word": "cat"})
+    (worker,) = r._workers  # noqa: SLF001 - the process the close must stop for good
+    r.close()
+    assert r.end("e") is None
+    with pytest.raises(KeyError, match="was not started"):
+        r.call("e", ToolCall("add", {"word": "cat"}))
+    with pytest.raises(RuntimeError, match="is closed"):
+        r.start("f", {"word": "dog"})
+    assert worker.request(("start", "g", {"word": "dog"}), 1.0) is None
+    assert not worker.process.is_alive() and worker.generation == 0
+
+
 def test_errors_become_observations(runner):
     runner.start("errs", {})
     unknown = runner.call("errs", ToolCall("nope"))
