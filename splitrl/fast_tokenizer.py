@@ -200,7 +200,14 @@ class FastTokenizer:
                             **template_kwargs: Any) -> Any:
         """The conversation rendered by the chat template, as transformers renders it (the
         template sees ``messages``, ``tools``, ``add_generation_prompt``, the special tokens
-        and ``template_kwargs``); its token ids when ``tokenize``."""
+        and ``template_kwargs``); its token ids when ``tokenize``. transformers' options that
+        shape its output (``return_dict``, ``return_tensors``, padding...) are not supported:
+        they raise rather than pass unseen into the template."""
+        shaping = sorted(template_kwargs.keys() & _OUTPUT_OPTIONS)
+        if shaping:
+            raise TypeError(f"apply_chat_template: {', '.join(shaping)} not supported (token ids "
+                            "come back as a list; load the tokenizer through transformers, "
+                            "model.tokenizer_class, for its other outputs)")
         template = self._template(tools)
         messages = [{k: v for k, v in m.items() if v is not None} for m in conversation]
         for message in messages:  # the names templates read a message's reasoning under
@@ -227,6 +234,12 @@ class FastTokenizer:
             return templates["default"]
         raise ValueError(f"this tokenizer has several chat templates and none named 'default': "
                          f"{sorted(templates)}")
+
+
+# transformers' apply_chat_template options that shape its output rather than the template's.
+_OUTPUT_OPTIONS = frozenset({"return_dict", "return_tensors", "padding", "truncation",
+                             "max_length", "return_assistant_tokens_mask",
+                             "continue_final_message", "tokenizer_kwargs"})
 
 
 def clean_up_tokenization(text: str) -> str:

@@ -19,6 +19,14 @@ def smollm2_tokenizer(smollm2):
 
 
 @pytest.fixture(scope="module")
+def hf_smollm2_tokenizer(smollm2):
+    """The checkpoint's tokenizer in transformers (the oracle SplitRL's own is checked against)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(smollm2)
+
+
+@pytest.fixture(scope="module")
 def hf_smollm2(smollm2):
     """The checkpoint in transformers (float32, eval mode)."""
     import torch

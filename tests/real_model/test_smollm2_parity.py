@@ -118,7 +118,8 @@ def test_logits_match_transformers_on_chat_rendered_gsm8k(model, hf_smollm2, cha
 
 
 def test_greedy_tokens_match_transformers_generate(greedy, hf_smollm2, smollm2,
-                                                   smollm2_tokenizer, chat_prompts):
+                                                   smollm2_tokenizer, hf_smollm2_tokenizer,
+                                                   chat_prompts):
     import transformers
 
     config = transformers.GenerationConfig.from_pretrained(smollm2, max_new_tokens=MAX_NEW,
@@ -139,7 +140,7 @@ def test_greedy_tokens_match_transformers_generate(greedy, hf_smollm2, smollm2,
         assert seq.finish_reason == ("stop" if tokens[-1] == IM_END else "length")
         assert len(tokens) == MAX_NEW or seq.finish_reason == "stop"
         # completions decode as transformers decodes them, special tokens dropped
-        assert decode(smollm2_tokenizer, tokens) == smollm2_tokenizer.decode(
+        assert decode(smollm2_tokenizer, tokens) == hf_smollm2_tokenizer.decode(
             expected, skip_special_tokens=True)
 
 
@@ -173,7 +174,8 @@ def test_generation_config_eos_ids_end_completions_as_in_transformers(
 
 
 def test_stop_strings_end_completions_as_in_transformers(greedy, hf_smollm2, smollm2,
-                                                         smollm2_tokenizer, chat_prompts):
+                                                         smollm2_tokenizer, hf_smollm2_tokenizer,
+                                                         chat_prompts):
     """A word the model writes mid-answer as the stop string: the sampler's cut
     (`stop_string_cut`, applied by sampler_service.rollout to every completion) keeps what
     transformers' generate(stop_strings=...) generates."""
@@ -189,20 +191,21 @@ def test_stop_strings_end_completions_as_in_transformers(greedy, hf_smollm2, smo
     config = transformers.GenerationConfig.from_pretrained(
         smollm2, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=IM_END,
         stop_strings=[stop])
-    assert _hf_greedy(hf_smollm2, prompt, config, tokenizer=smollm2_tokenizer)[0] == \
+    assert _hf_greedy(hf_smollm2, prompt, config, tokenizer=hf_smollm2_tokenizer)[0] == \
         tokens[:keep]
     assert stop_string_cut(smollm2_tokenizer, tokens, ["never written"]) is None
 
 
 @pytest.mark.parametrize("system_prompt", [None, "You are a careful math tutor."])
-def test_chat_template_renders_and_encodes_as_transformers(smollm2_tokenizer, gsm8k_questions,
-                                                           system_prompt):
+def test_chat_template_renders_and_encodes_as_transformers(smollm2_tokenizer,
+                                                           hf_smollm2_tokenizer,
+                                                           gsm8k_questions, system_prompt):
     from splitrl.tokenizer import encode_prompt
 
     question = gsm8k_questions[0]
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
         {"role": "user", "content": question}]
-    expected = smollm2_tokenizer.apply_chat_template(messages, tokenize=False,
+    expected = hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=False,
                                                      add_generation_prompt=True)
     rendered = render_prompt(smollm2_tokenizer, question, system_prompt=system_prompt,
                              use_chat_template=True)
@@ -211,7 +214,7 @@ def test_chat_template_renders_and_encodes_as_transformers(smollm2_tokenizer, gs
     assert ("You are a helpful AI assistant named SmolLM" in rendered) == (system_prompt is None)
     ids = encode_prompt(smollm2_tokenizer, question, system_prompt=system_prompt,
                         use_chat_template=True)
-    hf_ids = smollm2_tokenizer.apply_chat_template(messages, tokenize=True,
+    hf_ids = hf_smollm2_tokenizer.apply_chat_template(messages, tokenize=True,
                                                    add_generation_prompt=True, return_dict=True)
     assert ids == list(hf_ids["input_ids"])
     # the special tokens written by the template are single ids: 3 turn starts, 2 turn ends

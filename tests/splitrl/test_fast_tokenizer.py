@@ -113,6 +113,9 @@ def test_the_chat_template_renders_as_transformers_renders_it(pair):
                     text, add_special_tokens=False)
     assert (tk.render_prompt(ours, "3+4=", system_prompt="Add.", use_chat_template=True)
             == tk.render_prompt(theirs, "3+4=", system_prompt="Add.", use_chat_template=True))
+    # transformers' output options are refused, not passed into the template unseen
+    with pytest.raises(TypeError, match="return_dict not supported"):
+        ours.apply_chat_template(CONVERSATIONS[0], return_dict=True)
 
 
 def test_template_features_render_as_in_transformers(arith_model, tmp_path):
