@@ -2,8 +2,8 @@
 
 Every service process that tokenizes (sampler, trainer, reward models, the launcher's data
 check) loads the checkpoint's tokenizer at start-up. Importing `transformers` to do it costs
-about a CPU second per process, and AutoTokenizer's class resolution imports torch too when it
-is installed (``bench/startup_tricks.py`` measures both). The services need only a small part of
+CPU in every process, and AutoTokenizer's class resolution imports torch too when it is
+installed (``bench/startup_tricks.py`` measures both). The services need only a small part of
 transformers' tokenizer: encode, decode, the vocabulary, the special tokens and the chat
 template. :class:`FastTokenizer` is that part, over the same ``tokenizer.json`` (the Rust
 tokenizer transformers' fast tokenizers wrap) and the same ``tokenizer_config.json`` /
