@@ -146,14 +146,18 @@ class Episodes:
         Returns each prompt's text to append to it (its first episode's, since a prompt's
         episodes share its prefill) and the episodes whose reset failed: those run their first
         turn and end (``reset_failed``)."""
-        futures = [[self._pool.submit(self.runner.start, key, columns[i]) for key in row]
-                   for i, row in enumerate(keys)]
-        texts: list[str] = []
-        failed: set[str] = set()
-        for row, row_keys in zip(futures, keys, strict=True):
-            started = [f.result() for f in row]
-            texts.append(started[0].text if started[0].status == "ok" else "")
-            failed.update(k for k, s in zip(row_keys, started, strict=True) if s.status != "ok")
+        # A batch per worker (one round trip each), dealt in turn: a prompt's episodes, whose
+        # tool calls come together, live on different workers.
+        flat = [(key, columns[i]) for i, row in enumerate(keys) for key in row]
+        workers = max(self.runner.workers, 1)
+        batches = [flat[w::workers] for w in range(min(workers, len(flat)))]
+        started = {}
+        for batch, future in [(b, self._pool.submit(self.runner.start_many, b))
+                              for b in batches]:
+            started.update(zip((key for key, _ in batch), future.result(), strict=True))
+        texts = [started[row[0]].text if started[row[0]].status == "ok" else ""
+                 for row in keys]
+        failed = {key for key, s in started.items() if s.status != "ok"}
         return texts, failed
 
     def run(self, prompts: list[list[int]], seeds: list[int], keys: list[list[str]],
@@ -202,8 +206,9 @@ class _Driver:
         self.submitted_at = time.perf_counter()
         self.handles: dict[int, Any] = {}  # tag -> engine request
         self.members: dict[int, list[str]] = {}  # tag -> episode keys of a later-turn request
-        self.pending = 0  # tool calls and environment ends not answered yet
+        self.pending = 0  # tool calls and batches of environment ends not answered yet
         self.ready: list[str] = []
+        self.ending: list[str] = []  # episodes whose environments to end (`_flush_ends`)
         self._tags = itertools.count()
         self._cancelled = threading.Event()
 
@@ -225,6 +230,7 @@ class _Driver:
                         self._handle(*self.events.get_nowait())
                     except queue.Empty:
                         break
+                self._flush_ends()
                 self._maybe_submit()
             self.sink.put(None)
         except BaseException as e:  # noqa: BLE001 - report anything to the request
@@ -233,12 +239,12 @@ class _Driver:
         finally:
             for handle in self.handles.values():
                 handle.cancel()
-            for episode in self.episodes.values():
-                if not episode.closed:  # cancelled or failed: free its environment
-                    try:
-                        self.owner.runner.end(episode.key)
-                    except Exception:  # noqa: BLE001 - freeing must not hide the cause
-                        log.exception("could not end an episode's environment")
+            open_keys = [e.key for e in self.episodes.values() if not e.closed]
+            if open_keys:  # cancelled or failed: free their environments
+                try:
+                    self.owner.runner.end_many(open_keys)
+                except Exception:  # noqa: BLE001 - freeing must not hide the cause
+                    log.exception("could not end the episodes' environments")
 
     def _handle(self, kind: str, tag, item) -> None:
         if kind == "engine":
@@ -251,11 +257,12 @@ class _Driver:
         elif kind == "tools":
             self.pending -= 1
             self._tools_returned(tag, item)
-        elif kind == "ended":
+        elif kind == "ended":  # tag: the episodes' keys, item: their rewards (None: failed)
             self.pending -= 1
-            episode = self.episodes[tag]
-            episode.reward, episode.closed = item, True
-            self._maybe_deliver(episode.prompt)
+            for key, reward in zip(tag, item or [None] * len(tag), strict=True):
+                self.episodes[key].reward, self.episodes[key].closed = reward, True
+            for prompt in sorted({self.episodes[key].prompt for key in tag}):
+                self._maybe_deliver(prompt)
 
     def _submit(self, prompts: list[list[int]], seeds: list[int], n: int, max_new: int,
                 members: list[str] | None) -> None:
@@ -396,10 +403,20 @@ class _Driver:
     def _end(self, ep: _Episode, why: str) -> None:
         ep.end = why
         metrics.EPISODE_TURNS.observe(len(ep.turns))
-        self.pending += 1
-        future = self.owner._pool.submit(self.owner.runner.end, ep.key)  # noqa: SLF001
-        future.add_done_callback(lambda f: self.events.put(
-            ("ended", ep.key, None if f.exception() else f.result())))
+        self.ending.append(ep.key)
+
+    def _flush_ends(self) -> None:
+        """End the environments of the episodes that ended since the last call: a batch per
+        worker they live on (one round trip each, `ToolRunner.end_many`), off this thread."""
+        if not self.ending:
+            return
+        runner = self.owner.runner
+        for keys in runner.by_worker(self.ending):
+            self.pending += 1
+            future = self.owner._pool.submit(runner.end_many, keys)  # noqa: SLF001
+            future.add_done_callback(lambda f, keys=tuple(keys): self.events.put(
+                ("ended", keys, None if f.exception() else f.result())))
+        self.ending = []
 
     def _maybe_deliver(self, prompt: int) -> None:
         eps = [self.episodes[k] for k in self.keys[prompt]]

@@ -4,10 +4,14 @@ The worker holds the episodes the parent started on it (``{episode id: environme
 and answers one request at a time on its pipe:
 
     (at start, unasked)               -> ("ready", pid, [tool JSON schemas]) or ("init_error", why)
-    ("start", episode, columns)       -> (status, text): reset(**columns)'s text
+    ("start", [(episode, columns)...]) -> [(status, text)...]: each reset(**columns)'s text
     ("call", episode, name, args)     -> (status, text, done, reward, seconds)
-    ("end", episode)                  -> ("ok", reward)
+    ("end", [episode...])             -> ("ok", [reward...])
     None                              -> exit
+
+Starts and ends come in lists: a sampler starts a request's episodes, and ends those that
+finished together, in one round trip per worker rather than one per episode (each round trip
+is a pipe write and read and a thread woken on both sides).
 
 ``status`` is ok, unknown (no such tool), malformed (arguments that do not fit), error (the
 tool raised; ``text`` says what), or timeout (the soft limit interrupted it). Every call runs
@@ -97,9 +101,9 @@ class _Episodes:
         done = bool(getattr(env, "done", False))
         return (status, _short(text, self.max_chars), done, _reward(env), seconds)
 
-    def end(self, episode: str) -> tuple:
+    def end(self, episode: str) -> float | None:
         env = self.envs.pop(episode, None)
-        return ("ok", None if env is None else _reward(env))
+        return None if env is None else _reward(env)
 
 
 def worker_main(conn, name: str, options: dict, timeout_s: float, memory_mb: int | None,
@@ -123,11 +127,11 @@ def worker_main(conn, name: str, options: dict, timeout_s: float, memory_mb: int
             return
         op = request[0]
         if op == "start":
-            reply = episodes.start(request[1], request[2])
+            reply = [episodes.start(episode, columns) for episode, columns in request[1]]
         elif op == "call":
             reply = episodes.call(request[1], request[2], request[3])
         elif op == "end":
-            reply = episodes.end(request[1])
+            reply = ("ok", [episodes.end(episode) for episode in request[1]])
         else:
             reply = ("error", f"unknown request {op!r}")
         conn.send(reply)

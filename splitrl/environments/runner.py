@@ -5,6 +5,8 @@
     runner.start("ep-1", {"secret": 7})               # -> Started(status, text)
     runner.call("ep-1", ToolCall("lookup"))           # -> CallResult(status, text, ...)
     runner.end("ep-1")                                # -> the environment's reward or None
+    runner.start_many([("ep-2", {"secret": 1}), ("ep-3", {"secret": 2})])  # one round trip
+    runner.end_many(["ep-2", "ep-3"])                 # one round trip per worker
     runner.close()
 
 Environment code is user code: it runs in worker processes (``forkserver``: clean processes
@@ -28,6 +30,7 @@ import logging
 import multiprocessing
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,22 +174,40 @@ class ToolRunner:
     def _deadline_s(self) -> float:
         return self.timeout_s + self.kill_grace_s
 
+    @property
+    def workers(self) -> int:
+        """How many worker processes run the episodes."""
+        return len(self._workers)
+
     def start(self, episode: str, columns: dict[str, Any]) -> Started:
         """Start ``episode`` from a dataset row's columns (``reset(**columns)``)."""
+        return self.start_many([(episode, columns)])[0]
+
+    def start_many(self, episodes: Sequence[tuple[str, dict[str, Any]]]) -> list[Started]:
+        """Start several episodes (id, columns) on one worker, the next in turn, in one round
+        trip; one `Started` per episode, in order. A sampler starts a request's episodes in a
+        batch per worker (`workers` batches, spread as one by one would be). Each reset runs
+        under the time limit; if the worker must be killed (one stuck past it), every start
+        of the batch is a time-out."""
+        if not episodes:
+            return []
         with self._lock:
             if not self._workers:
                 raise RuntimeError(f"the tool runner of {self.name!r} is closed")
             index = next(self._next) % len(self._workers)
             worker = self._workers[index]
         with worker.lock:
-            reply = worker.request(("start", episode, columns), self._deadline_s)
+            reply = worker.request(("start", list(episodes)),
+                                   len(episodes) * self.timeout_s + self.kill_grace_s)
             generation = worker.generation
         if reply is None:
-            return Started("timeout", f"reset took longer than {self.timeout_s:g} s")
-        if reply[0] == "ok":
-            with self._lock:
-                self._episodes[episode] = _Episode(dict(columns), index, generation)
-        return Started(reply[0], reply[1])
+            return [Started("timeout", f"reset took longer than {self.timeout_s:g} s")
+                    ] * len(episodes)
+        with self._lock:
+            for (episode, columns), (status, _) in zip(episodes, reply, strict=True):
+                if status == "ok":
+                    self._episodes[episode] = _Episode(dict(columns), index, generation)
+        return [Started(status, text) for status, text in reply]
 
     def call(self, episode: str, call: ToolCall) -> CallResult:
         """Run one tool call of a started episode; never raises for what the tool does."""
@@ -215,8 +236,8 @@ class ToolRunner:
     def _restore(self, worker: _Worker, episode: str, state: _Episode) -> bool:
         """Start ``episode`` again on ``worker``'s new process and replay its calls (the
         caller holds the worker's lock)."""
-        reply = worker.request(("start", episode, state.columns), self._deadline_s)
-        if reply is None or reply[0] != "ok":
+        reply = worker.request(("start", [(episode, state.columns)]), self._deadline_s)
+        if reply is None or reply[0][0] != "ok":
             return False
         for past in state.calls:
             if worker.request(("call", episode, past.name, past.arguments),
@@ -227,18 +248,39 @@ class ToolRunner:
 
     def end(self, episode: str) -> float | None:
         """End ``episode``: its environment's ``reward`` attribute, if a number."""
+        return self.end_many([episode])[0]
+
+    def by_worker(self, episodes: Sequence[str]) -> list[list[str]]:
+        """``episodes`` grouped by the worker each lives on (unknown ones together): each
+        group is one round trip of `end_many`."""
+        groups: dict[int, list[str]] = {}
         with self._lock:
-            state = self._episodes.pop(episode, None)
+            for episode in episodes:
+                state = self._episodes.get(episode)
+                groups.setdefault(-1 if state is None else state.worker, []).append(episode)
+        return list(groups.values())
+
+    def end_many(self, episodes: Sequence[str]) -> list[float | None]:
+        """End several episodes: each one's environment's ``reward`` attribute if a number,
+        else None (also for an unknown episode), in order; one round trip per worker they
+        live on (`by_worker`)."""
+        with self._lock:
+            states = {e: self._episodes.pop(e, None) for e in episodes}
             workers = self._workers
-        if state is None or not workers:  # unknown, or the runner closed (and its episodes)
-            return None
-        worker = workers[state.worker]
-        with worker.lock:
-            if state.generation != worker.generation:
-                if not self._restore(worker, episode, state):
-                    return None
-            reply = worker.request(("end", episode), self._deadline_s)
-        return None if reply is None else reply[1]
+        rewards: dict[str, float | None] = dict.fromkeys(episodes)
+        groups: dict[int, list[str]] = {}
+        for episode, state in states.items():
+            if state is not None and workers:  # else unknown, or the runner closed
+                groups.setdefault(state.worker, []).append(episode)
+        for index, group in groups.items():
+            worker = workers[index]
+            with worker.lock:
+                group = [e for e in group if states[e].generation == worker.generation
+                         or self._restore(worker, e, states[e])]
+                reply = worker.request(("end", group), self._deadline_s) if group else None
+            if reply is not None:
+                rewards.update(zip(group, reply[1], strict=True))
+        return [rewards[e] for e in episodes]
 
     def close(self) -> None:
         """Stop the workers. Episodes still being driven (a sampler shutting down) then end

@@ -128,6 +128,22 @@ def test_trl_environment_runs_unchanged_in_a_worker():
         assert r.end("e") == 3.0
 
 
+def test_batched_starts_and_ends_keep_each_episodes_own_environment():
+    """`start_many` starts a batch on one worker (the next in turn), `end_many` ends episodes
+    of any workers, one round trip per worker, and each gets its own environment's reward."""
+    with ToolRunner(FIX + "TrlWordCounter", workers=2) as r:
+        started = r.start_many([("a", {"word": "cat"}), ("b", {"word": "dog"})])
+        assert [s.text for s in started] == ["Target word: cat", "Target word: dog"]
+        assert r.start("c", {"word": "eel"}).status == "ok"  # on the other worker
+        assert r.by_worker(["a", "c", "b", "nope"]) == [["a", "b"], ["c"], ["nope"]]
+        assert r.call("b", ToolCall("add", ["dog"])).text == "1"  # b's own counts, not a's
+        for episode, times in (("a", 3), ("b", 1), ("c", 2)):
+            r.call(episode, ToolCall("add", {"word": "x", "times": times}))
+            r.call(episode, ToolCall("finish"))
+        assert r.end_many(["c", "nope", "a", "b"]) == [2.0, None, 3.0, 2.0]
+        assert r.end_many(["a"]) == [None]  # ended
+
+
 def test_episodes_ending_after_the_runner_closed_end_quietly_and_start_no_worker():
     """A sampler shutting down closes its runner while episode threads still end theirs: they
     get no reward and no IndexError, and no worker is started again after the close."""
