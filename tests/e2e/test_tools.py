@@ -99,9 +99,12 @@ def test_eval_of_the_tool_task_reproduces_the_runs_after_evaluation(learned, tmp
     assert f"greedy accuracy: {summary['eval_after/accuracy']:.3f} on 100 prompts" in out.stdout
 
 
-# The short synchronous run both checks below read: 12 steps of 8 prompts (1536 episodes, of
-# which the random model turns a few into tool calls), no evaluation.
-SHORT_RUN = ("trainer.steps=12", "trainer.prompts_per_step=8", "trainer.eval_before=false",
+# The short synchronous run both checks below read: the first 6 steps of the demo's config (16
+# prompts a step: 1536 episodes, of which the random model turns a few into tool calls), no
+# evaluation. Its requests have the learning run's shapes, so its services compile nothing the
+# learning run did not (the compilation cache has them).
+SHORT_STEPS = 6
+SHORT_RUN = (f"trainer.steps={SHORT_STEPS}", "trainer.eval_before=false",
              "trainer.eval_after=false", "trainer.checkpoint.every=1000")
 
 
@@ -109,7 +112,7 @@ SHORT_RUN = ("trainer.steps=12", "trainer.prompts_per_step=8", "trainer.eval_bef
 def killed_sampler_run(tools_model, tmp_path_factory) -> Path:
     """The short run with two samplers, sampler-0 SIGKILLed at step 3 while its episodes are in
     flight (turns queued, tools running). The trainer is paused around the kill, so the kill
-    lands with most of the run still to come, however fast the steps go."""
+    lands with half the run still to come, however fast the steps go."""
     run_dir = tmp_path_factory.mktemp("kill") / "run"
     launcher = Launcher(tools_config(tools_model, run_dir, *SHORT_RUN, "services.num_samplers=2"))
     try:
@@ -137,7 +140,8 @@ def test_a_sampler_killed_mid_episode_loses_nothing(killed_sampler_run):
     assert report.ok, report.lines()
     records = trained_records(run_dir)
     uids = [u for r in records for u in r["uids"]]
-    assert sorted(int(u.rsplit("#", 1)[1]) for u in uids) == list(range(12 * 8))
+    prompts = SHORT_STEPS * load_config(run_dir / "config.yaml").trainer.prompts_per_step
+    assert sorted(int(u.rsplit("#", 1)[1]) for u in uids) == list(range(prompts))
     # The kill came before the run's end: its last steps trained on the survivor alone.
     assert killed not in records[-1]["samplers"]
 
@@ -153,7 +157,7 @@ def test_the_killed_sampler_run_and_a_one_sampler_run_are_bitwise_identical(
     assert launch(tools_config(tools_model, one_sampler, *SHORT_RUN,
                                "services.num_samplers=1")) == 0
     first, second = step_metrics(killed_run), step_metrics(one_sampler)
-    assert len(first) == len(second) == 12
+    assert len(first) == len(second) == SHORT_STEPS
     for a, b in zip(first, second, strict=True):
         assert a == b, f"step {a['step']} differs"
     assert {"reward/mean", "loss", "grad_norm", "episodes/tool_calls"} <= set(first[0])
