@@ -70,7 +70,9 @@ def rows_bucket(n: int) -> int:
 
 def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, SamplePlan]:
     """Per-row sampling arrays of the engine's rows (`scheduler._Row`) padded to ``size``,
-    and the batch's `SamplePlan`."""
+    and the batch's `SamplePlan`. A row listed more than once (padding entries repeat one)
+    is read once and its entries copied: an admission of a few rows into a large cache pads
+    admit's entries to the cache's rows."""
     stop_width = _STOP_SLOTS * max(1, -(-max(len(r.stop_ids) for r in rows) // _STOP_SLOTS))
     seeds = np.zeros((size, 2), np.uint32)
     samples = np.zeros(size, np.int32)
@@ -81,7 +83,10 @@ def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, S
     greedy = np.ones(size, bool)
     max_new = np.ones(size, np.int32)
     stop_ids = np.full((size, stop_width), -1, np.int32)
-    for i, row in enumerate(rows):
+    first: dict[int, int] = {}  # each row's first entry
+    source = np.array([first.setdefault(id(row), i) for i, row in enumerate(rows)], np.intp)
+    for i in first.values():
+        row = rows[i]
         request = row.group.request
         opts = request.options
         seeds[i] = seed_words([request.seeds[row.group.index]])[0]
@@ -94,6 +99,10 @@ def row_params(rows, size: int, vocab_size: int) -> tuple[_programs.RowParams, S
             top_p[i] = opts.top_p
         max_new[i] = row.max_new
         stop_ids[i, :len(row.stop_ids)] = row.stop_ids
+    if len(first) < len(rows):
+        for array in (seeds, samples, versions, temperature, top_k, top_p, greedy, max_new,
+                      stop_ids):
+            array[:len(rows)] = array[source]
     sampled = ~greedy[:len(rows)]
     ks = top_k[:len(rows)][sampled]
     plan = SamplePlan(k_cap=min(max(pow2(int(ks.max())), 8), vocab_size)

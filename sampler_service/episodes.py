@@ -210,6 +210,7 @@ class _Driver:
         self.ready: list[str] = []
         self.ending: list[str] = []  # episodes whose environments to end (`_flush_ends`)
         self._tags = itertools.count()
+        self._options: dict[int, SamplingOptions] = {}  # by a turn's token budget
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -267,7 +268,10 @@ class _Driver:
     def _submit(self, prompts: list[list[int]], seeds: list[int], n: int, max_new: int,
                 members: list[str] | None) -> None:
         tag = next(self._tags)
-        options = dataclasses.replace(self.options, max_new_tokens=max_new)
+        options = self._options.get(max_new)
+        if options is None:
+            options = self._options[max_new] = dataclasses.replace(self.options,
+                                                                   max_new_tokens=max_new)
         self.handles[tag] = self.owner.engine.submit(prompts, options, n, seeds=seeds,
                                                      exclusive=self.exclusive,
                                                      sink=_Tagged(self.events, tag))

@@ -11,6 +11,7 @@ text (docs/environments.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ _MARK = "\u2063splitrl-turn\u2063"  # an assistant turn's content in the stand-i
 class ObservationRenderer:
     """Token ids of tool results for ``tokenizer``'s chat template (``tools``: the schemas the
     prompt was rendered with)."""
+
+    CACHED = 1024  # distinct (results, stopped) whose ids `ids` keeps
 
     def __init__(self, tokenizer, tools: Sequence[dict[str, Any]] = (),
                  stop_token_ids: Sequence[int] = ()):
@@ -40,6 +43,7 @@ class ObservationRenderer:
                 break
         self._tail = tail
         self._base, self._head = base, head
+        self._encoded = functools.lru_cache(maxsize=self.CACHED)(self._encode)
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -57,5 +61,11 @@ class ObservationRenderer:
         return (self._tail_after_stop if stopped else self._tail) + full[len(self._head):]
 
     def ids(self, results: Sequence[tuple[str, str]], stopped: bool = True) -> list[int]:
-        """`text` encoded (special tokens in it, like ``<|im_start|>``, become their ids)."""
-        return list(self.tokenizer.encode(self.text(results, stopped), add_special_tokens=False))
+        """`text` encoded (special tokens in it, like ``<|im_start|>``, become their ids).
+        The most recent distinct results are kept (`CACHED`): a sampler renders the same
+        results again and again (a tool's few answers, its error messages), and each render
+        runs the chat template twice over."""
+        return list(self._encoded(tuple((str(n), str(c)) for n, c in results), stopped))
+
+    def _encode(self, results: tuple[tuple[str, str], ...], stopped: bool) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(self.text(results, stopped), add_special_tokens=False))
