@@ -3,7 +3,8 @@
 ``$SPLITRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/splitrl``, else ``~/.cache/splitrl``:
 
 - ``xla/``: compiled XLA programs (the default ``JAX_COMPILATION_CACHE_DIR`` of every service
-  the launcher starts).
+  the launcher starts), and in ``xla/locks/`` one empty lock file per program, by which
+  services compiling the same program at once compile it once (`splitrl.compile_lock`).
 
 Deleting the directory is always safe: everything in it is found again, more slowly.
 """

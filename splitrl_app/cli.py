@@ -54,9 +54,11 @@ def _call(target: str) -> Callable:
 
 def _service(target: str) -> Callable[[argparse.Namespace], int | None]:
     def run(args: argparse.Namespace) -> int | None:
+        from splitrl import compile_lock
         from splitrl.serving import stop_with_launcher
 
         stop_with_launcher()
+        compile_lock.install()  # a launch's services compile a program they share once
         return _call(target)(_config(args))
 
     return run
