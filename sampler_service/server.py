@@ -261,13 +261,20 @@ def advertised_host(config: Config) -> str:
 def serve(config: Config) -> tuple[Server, SamplerServicer]:
     """Load the model, build mesh, weights, engine and reward client, and start the server."""
     from sampler_service.engine import engine_from_config, serving_dtype
-    from splitrl.models import from_pretrained
+    from splitrl.mesh import param_shardings
+    from splitrl.models import from_pretrained, param_shapes
+    from splitrl.models import load_config as load_model_config
 
     sampler = config.sampler
     dtype = serving_dtype(config)
-    model = from_pretrained(config.model.path, dtype)
-    graphdef, state = nnx.split(model)
     mesh = build_mesh(sampler.mesh)
+    # Each parameter is read straight onto its shards of the mesh (numpy slices it on the
+    # host), not onto one device first and resharded there (a small program compiled per
+    # tensor shape, in every sampler process).
+    shapes = {n: s.shape for n, s in param_shapes(load_model_config(config.model.path)).items()}
+    model = from_pretrained(config.model.path, dtype,
+                            shardings=param_shardings(mesh, shapes, sampler.mesh.strategy))
+    graphdef, state = nnx.split(model)
     weights = WeightStore.from_state(model.config, state, mesh, strategy=sampler.mesh.strategy,
                                      max_chunk_bytes=sampler.max_chunk_bytes)
     del model, state
