@@ -235,6 +235,11 @@ def test_qwen25_observation_is_one_user_turn_of_tool_responses(bpe_dir):
     ids = renderer.ids([("lookup", "7")])
     assert ids == tokenizer.encode(renderer.text([("lookup", "7")]), add_special_tokens=False)
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 2
+    # kept per distinct results and stop: a caller's list is its own, `stopped` keys apart
+    ids.append(-1)
+    assert renderer.ids([("lookup", "7")]) == ids[:-1]
+    assert renderer.ids([("lookup", "7")], stopped=False) == tokenizer.encode(
+        renderer.text([("lookup", "7")], stopped=False), add_special_tokens=False) != ids[:-1]
     assert renderer.text([("lookup", "7")], stopped=False).startswith("<|im_end|>\n")
 
 
