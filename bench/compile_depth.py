@@ -7,14 +7,16 @@ One model config (``--model``: a HF config.json; default: the ``tiny`` preset of
 ``--deep`` (32) layers, nothing else changed. The programs are the ones a run compiles, built
 the way `splitrl plan` builds them (`splitrl_app.planning.services`): the trainer's "grad_step"
 (forward, backward, accumulation) plus "apply_update" (the optax update), and the sampler's
-"decode" segment (also "prefill" and "admit", printed beside it). The sampler's programs are
-compiled twice: with the slot cache, whose programs run its layers apart (unrolled, over
-weights and a cache held per layer) on CPU, and with the paged cache
-(``sampler.decode_attention=paged``), whose programs scan the layers on every platform as a
-TPU or GPU plan compiles them: the ratio line's "decode" is that scanned one, the CPU's
-unrolled decode is printed beside it. Batch shapes come from the
-run config (built-in defaults, a one-device mesh per service, and the small overrides below;
-pass ``KEY=VALUE`` to change them).
+"decode" segment (also "prefill" and "admit", printed beside it). The train step is compiled
+twice: with its layers scanned (``model.layer_loop=scan``), as TPU and GPU plans compile it
+(the ratio line's "train"), and unrolled, as a CPU trainer runs it ("auto" on CPU, printed
+beside it). The sampler's programs are compiled twice: with the slot cache, whose programs
+run its layers apart (unrolled, over weights and a cache held per layer) on CPU, and with the
+paged cache (``sampler.decode_attention=paged``), whose programs scan the layers on every
+platform as a TPU or GPU plan compiles them: the ratio line's "decode" is that scanned one,
+the CPU's unrolled decode is printed beside it. Batch shapes come from the run config
+(built-in defaults, a one-device mesh per service, and the small overrides below; pass
+``KEY=VALUE`` to change them).
 
 Seconds are lowering (tracing, the depth-dependent part of building the program) plus XLA
 compilation, with the persistent compilation cache off, each depth in its own fresh process
@@ -88,19 +90,22 @@ def measure(args) -> dict:
     from splitrl_app.planning.targets import cpu_target
 
     jax.config.update("jax_enable_compilation_cache", False)
-    cfg = load_config(None, SMALL_RUN + list(args.overrides))
     config = dataclasses.replace(model_config(args.model), num_layers=args.depth)
     target = cpu_target()
     out = {}
 
-    trainer = TrainerPlanner(cfg, config, target)
-    lowered, wall, cpu = timed(lambda: trainer.learner.lower_train_step(trainer.rows,
-                                                                         trainer.length))
-    train_wall, train_cpu = wall, cpu  # one trace builds every program of the step
-    for low in lowered.values():
-        _, wall, cpu = timed(low.compile)
-        train_wall, train_cpu = train_wall + wall, train_cpu + cpu
-    out["train"] = (train_wall, train_cpu)
+    # The train step with its layers scanned, as TPU and GPU plans compile it ("train"), then
+    # unrolled, as this CPU runs it (`model.layer_loop` "auto" on CPU).
+    for name, loop in (("train", "scan"), ("train unrolled", "unrolled")):
+        trainer = TrainerPlanner(load_config(None, SMALL_RUN + list(args.overrides) + [
+            f"model.layer_loop={loop}"]), config, target)
+        lowered, wall, cpu = timed(lambda t=trainer: t.learner.lower_train_step(t.rows,
+                                                                                 t.length))
+        train_wall, train_cpu = wall, cpu  # one trace builds every program of the step
+        for low in lowered.values():
+            _, wall, cpu = timed(low.compile)
+            train_wall, train_cpu = train_wall + wall, train_cpu + cpu
+        out[name] = (train_wall, train_cpu)
 
     from sampler_service.requests import PinnedWeights
 
@@ -148,10 +153,11 @@ def main() -> int:
         print(f"{name:<10} {cells}")
     for what, i in (("CPU seconds", 1), ("seconds", 0)):  # the required line last
         ratio = {n: results[args.deep][n][i] / results[args.shallow][n][i]
-                 for n in ("train", "decode scanned", "decode")}
+                 for n in ("train", "decode scanned", "train unrolled", "decode")}
         print(f"compile {what} {args.deep} layers / {args.shallow} layers: "
               f"train {ratio['train']:.2f}, decode {ratio['decode scanned']:.2f} "
-              f"(this CPU's decode, layers apart: {ratio['decode']:.2f})")
+              f"(this CPU's, layers unrolled: train {ratio['train unrolled']:.2f}, "
+              f"decode {ratio['decode']:.2f})")
     return 0
 
 

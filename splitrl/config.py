@@ -127,6 +127,13 @@ class ModelSection(Section):
     unchanged); "xla" XLA ops everywhere (dense on CPU, memory-efficient blockwise on TPU and
     GPU); "splash" the kernel everywhere (on CPU in Pallas interpret mode: slow, for checking
     the kernel)."""
+    layer_loop: Literal["auto", "scan", "unrolled"] = "auto"
+    """How the trainer's programs apply the decoder layers: "scan" a `lax.scan` over the
+    stacked layers (one layer body whatever the depth: compile time flat in depth),
+    "unrolled" one layer after the other (a program that grows with depth, but XLA:CPU then
+    copies no layer's weights or activations in and out of stacked buffers: a faster train
+    step on CPU), "auto" unrolled on a CPU trainer, scanned on TPU and GPU. Values and
+    gradients are the same either way."""
     lora: LoraConfig | None = None
     """LoRA adapters (off when null); e.g. model.lora.rank=16 turns them on."""
 

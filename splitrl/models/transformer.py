@@ -5,10 +5,11 @@ The module tree mirrors HF's `XForCausalLM` (`model.embed_tokens`, `model.layers
 the decoder layers are ONE `DecoderLayer` whose parameters are stacked on a leading layer
 axis (`model.layers.self_attn.q_proj.weight` [L, in, out], see `stacking.py`) and applied by
 `jax.lax.scan`: every program (train step, prefill, decode) traces and compiles one layer body,
-so compile time and program size do not grow with depth (MaxText's ``scan_layers``). A caller
-can run the layers unrolled instead, over weights held per layer (`forward_with`'s ``layers``),
-as the sampler's programs do on CPU, where a scan copies each layer's weights out of the stack
-before its matmuls.
+so compile time and program size do not grow with depth (MaxText's ``scan_layers``). The
+layers can run unrolled instead (`LAYER_LOOPS`), as the trainer's and the sampler's programs
+do on CPU, where a scan copies each layer's weights out of the stack before its matmuls: over
+static slices of the stacked weights (``layer_loop="unrolled"``), or over weights held per
+layer (`forward_with`'s ``layers``).
 
 Calling convention (shared by trainer and sampler):
 
@@ -49,6 +50,18 @@ REMAT_POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+# How a forward applies the decoder layers when it is not given weights held per layer.
+# "scan": a `lax.scan` over the stacked weights, one layer body whatever the depth (compile
+# time and program size flat in depth: TPU and GPU). "unrolled": one layer after the other
+# over static slices of the stacked weights. XLA:CPU's matmul kernels take whole buffers, so
+# in a scan each layer's weights are copied out of the stack before every matmul that reads
+# them, forward and backward, and the backward pass stacks the layers' saved activations and
+# gradients into loop buffers and slices them out again; unrolled, a layer's weights are
+# sliced once per program, nothing is stacked but the gradients (one concatenation each), and
+# the train step costs what it did before the scan (bench/README.md, issue 37). The price is a
+# program that grows with depth (bench/compile_depth.py prints both).
+LAYER_LOOPS = ("scan", "unrolled")
+
 
 class Decoder(nnx.Module):
     """The HF `model.` prefix: embeddings, decoder layers and the final norm."""
@@ -69,13 +82,17 @@ class CausalLM(nnx.Module):
     what a backward pass keeps of each decoder layer (a forward-only program is unaffected).
     `attention` names one of `attention.ATTENTION_IMPLEMENTATIONS`: how attention over the
     given tokens runs (the splash kernel or XLA ops; cached decoding is unaffected).
+    `layer_loop` names one of `LAYER_LOOPS`: a scan over the stacked layers or the layers
+    unrolled (same values; see `LAYER_LOOPS` for when each is faster).
     """
 
     def __init__(self, config: TransformerConfig, *, dtype=jnp.float32, param_dtype=None,
                  rngs: nnx.Rngs, std: float = 0.02, remat: str = "none",
-                 attention: str = "auto"):
+                 attention: str = "auto", layer_loop: str = "scan"):
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat: expected one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+        if layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"layer_loop: expected one of {LAYER_LOOPS}, got {layer_loop!r}")
         if attention not in ATTENTION_IMPLEMENTATIONS:
             raise ValueError(f"attention: expected one of {ATTENTION_IMPLEMENTATIONS}, got "
                              f"{attention!r}")
@@ -84,6 +101,7 @@ class CausalLM(nnx.Module):
         self.dtype = dtype
         self.remat = remat
         self.attention = attention
+        self.layer_loop = layer_loop
         self.model = Decoder(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs, std=std)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -154,16 +172,27 @@ class CausalLM(nnx.Module):
         model's forward exists once for training, prefill and decode.
 
         ``layers`` (one state per layer, as `stacking.layer_views` makes them) runs the layers
-        one after the other, unrolled, each with its own weights (``attention`` then gets a
-        Python int for the layer), instead of the scan over the stacked weights (a traced
-        index); the model's own stacked layers are then not read.
+        one after the other, unrolled, each with its own weights, instead of the model's
+        `layer_loop` over its own stacked layers (which are then not read). Unrolled,
+        ``attention`` gets a Python int for the layer; scanned, a traced index. The `remat`
+        policy applies to each layer either way.
         """
         cos, sin = rope_tables(inv_frequencies(self.config), positions)
         x = self.model.embed_tokens(tokens)
         graphdef, stacked = nnx.split(self.model.layers)
+        policy = REMAT_POLICIES[self.remat]
+        if layers is None and self.layer_loop == "unrolled":
+            layers = [jax.tree.map(lambda w, i=i: w[i], stacked)
+                      for i in range(self.config.num_layers)]
         if layers is not None:
+            def layer(x, attention, layer_state, index):
+                return nnx.merge(graphdef, layer_state)(x, cos, sin, attention, index)
+
+            if policy is not None:
+                layer = jax.checkpoint(layer, policy=policy, prevent_cse=False,
+                                       static_argnums=(3,))
             for index, layer_state in enumerate(layers):
-                x, attention = nnx.merge(graphdef, layer_state)(x, cos, sin, attention, index)
+                x, attention = layer(x, attention, layer_state, index)
             return self.model.norm(x), attention
 
         def layer_step(carry, layer_state):
@@ -171,7 +200,6 @@ class CausalLM(nnx.Module):
             x, attention = nnx.merge(graphdef, layer_state)(x, cos, sin, attention, index)
             return (x, attention, index + 1), None
 
-        policy = REMAT_POLICIES[self.remat]
         if policy is not None:
             layer_step = jax.checkpoint(layer_step, policy=policy, prevent_cse=False)
         (x, attention, _), _ = jax.lax.scan(layer_step, (x, attention, jnp.int32(0)), stacked,
@@ -243,11 +271,12 @@ def init_random(config: TransformerConfig, seed: int = 0, dtype=jnp.float32, *,
 
 
 def abstract_model(config: TransformerConfig, dtype=jnp.float32, *, param_dtype=None,
-                   remat: str = "none", attention: str = "auto") -> CausalLM:
+                   remat: str = "none", attention: str = "auto",
+                   layer_loop: str = "scan") -> CausalLM:
     """The model with ShapeDtypeStruct leaves (no memory), for its graphdef and shapes."""
     return nnx.eval_shape(lambda: CausalLM(config, dtype=dtype, param_dtype=param_dtype,
                                            rngs=nnx.Rngs(0), remat=remat,
-                                           attention=attention))
+                                           attention=attention, layer_loop=layer_loop))
 
 
 def apply(graphdef, state, tokens, positions=None, *, attention_mask=None, cache=None,

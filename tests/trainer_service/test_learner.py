@@ -15,6 +15,7 @@ from splitrl.config import (
     AlgorithmConfig,
     Config,
     MeshConfig,
+    ModelSection,
     OptimizerConfig,
     SamplingConfig,
     TrainerConfig,
@@ -99,6 +100,21 @@ def test_micro_batches_accumulate_to_the_full_batch_update():
         assert m_micro[key] == pytest.approx(m_full[key], rel=1e-4, abs=1e-7), key
 
 
+def test_a_cpu_learner_runs_its_layers_unrolled_and_trains_as_the_scan_does():
+    """`model.layer_loop` "auto" unrolls the layers on a CPU mesh (the scan copies every
+    layer's weights and activations in and out of stacked buffers there); the update is the
+    scan's, to float32 tolerance."""
+    batch = rollout_batch(2)
+    unrolled = make_learner(mesh_of(2), optimizer=CONSTANT_LR)
+    scanned = make_learner(mesh_of(2), optimizer=CONSTANT_LR, layer_loop="scan")
+    assert (unrolled.model().layer_loop, scanned.model().layer_loop) == ("unrolled", "scan")
+    m_unrolled, m_scanned = unrolled.train_step(batch), scanned.train_step(batch)
+    for name in scanned.params:  # Adam's first step amplifies float32 noise where g ~ 0
+        np.testing.assert_allclose(unrolled.params[name], scanned.params[name], atol=1e-5)
+    for key in ("loss", "policy_loss", "entropy", "grad_norm"):
+        assert m_unrolled[key] == pytest.approx(m_scanned[key], rel=1e-5, abs=1e-7), key
+
+
 def test_a_warm_up_changes_nothing_the_next_step_computes():
     batch = rollout_batch(2)
     plain = make_learner(mesh_of(2), optimizer=CONSTANT_LR)
@@ -165,6 +181,9 @@ def test_from_config_reads_the_run_config():
     )
     learner = Learner.from_config(tiny_model(), cfg, mesh_of(2, axes=("tensor",)))
     assert (learner.micro_batch_size, learner.epochs, learner.temperature) == (4, 2, 0.7)
+    assert learner.model().layer_loop == "unrolled"  # "auto" on a CPU mesh
+    scan = cfg.model_copy(update={"model": ModelSection(layer_loop="scan")})
+    assert Learner.from_config(tiny_model(), scan, mesh_of(2)).model().layer_loop == "scan"
     assert learner.loss_settings["loss"] == "gspo-token" and learner.ref_params is None
     q = learner.params["model.layers.self_attn.q_proj.weight"]
     assert "tensor" in tuple(q.sharding.spec)

@@ -137,6 +137,7 @@ class Learner:
         base_fingerprint: str | None = None,
         remat: str = "none",
         attention: str = "auto",
+        layer_loop: str = "auto",
         first_runs: FirstRuns | None = None,
     ):
         if temperature <= 0:
@@ -167,12 +168,16 @@ class Learner:
         self.base_fingerprint = base_fingerprint  # of the base checkpoint (LoRA runs)
 
         # The policy's forward in the train step, with the `model.remat` policy of its backward
-        # pass (`splitrl.models.transformer.REMAT_POLICIES`) and its `model.attention`
+        # pass (`splitrl.models.transformer.REMAT_POLICIES`), its `model.attention`
         # implementation (the splash kernel runs under a shard_map over `mesh`, which the
-        # programs are traced with: see `_on_mesh`).
-        self._graphdef = nnx.split(abstract_model(self.config, self.dtype, remat=remat,
-                                                  attention=attention))[0]
+        # programs are traced with: see `_on_mesh`) and its `model.layer_loop` ("auto": the
+        # layers unrolled on a CPU mesh, scanned elsewhere: `transformer.LAYER_LOOPS` says why).
         platforms = {d.platform for d in mesh.devices.flat}
+        if layer_loop == "auto":
+            layer_loop = "unrolled" if platforms == {"cpu"} else "scan"
+        self._graphdef = nnx.split(abstract_model(self.config, self.dtype, remat=remat,
+                                                  attention=attention,
+                                                  layer_loop=layer_loop))[0]
         self._kernel_mesh = (mesh if attention == "splash"
                              or (attention == "auto" and platforms == {"tpu"}) else None)
         flat = hf_from_state(nnx.state(model, nnx.Param))
@@ -255,6 +260,7 @@ class Learner:
             base_fingerprint=fingerprint,
             remat=cfg.model.remat,
             attention=cfg.model.attention,
+            layer_loop=cfg.model.layer_loop,
             first_runs=first_runs,
         )
 

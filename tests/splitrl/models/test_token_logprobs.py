@@ -85,17 +85,25 @@ def test_token_logprobs_of_model_match_log_softmax_of_logits_with_grads_and_rema
         np.testing.assert_allclose(g, ref_flat[name], atol=1e-4, rtol=1e-4, err_msg=name)
 
 
-@pytest.mark.parametrize("policy", ["full", "save_dots"])
-def test_remat_policies_give_the_gradients_of_no_remat(tiny_config, policy):
-    """`model.remat` changes what the backward pass keeps, never what it computes."""
+@pytest.mark.parametrize("policy,layer_loop", [
+    ("full", "scan"), ("save_dots", "scan"),
+    ("none", "unrolled"), ("full", "unrolled"), ("save_dots", "unrolled"),
+])
+def test_remat_policies_and_layer_loops_give_the_gradients_of_the_plain_scan(
+        tiny_config, policy, layer_loop):
+    """`model.remat` changes what the backward pass keeps, and `model.layer_loop` how the
+    layers are applied (the trainer's CPU programs run them unrolled), never what they
+    compute: values and gradients are the scan's without remat, to float32 tolerance."""
     model = models.init_random(tiny_config, seed=0, std=0.3)
     randomize(model, seed=3)
     tokens, mask = left_padded_batch([T, 7], T, seed=4)
     targets = jnp.roll(tokens, -1, axis=1)
     positions = models.left_pad_positions(mask)
     state = nnx.state(model)
-    graphdefs = {p: nnx.split(models.abstract_model(tiny_config, remat=p))[0]
-                 for p in ("none", policy)}
+    graphdefs = {
+        which: nnx.split(models.abstract_model(tiny_config, remat=which[0],
+                                               layer_loop=which[1]))[0]
+        for which in (("none", "scan"), (policy, layer_loop))}
 
     def loss(state, which):
         m = nnx.merge(graphdefs[which], state)
@@ -103,8 +111,8 @@ def test_remat_policies_give_the_gradients_of_no_remat(tiny_config, policy):
         return jnp.sum((lp + 0.1 * ent) * mask)
 
     fn = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-    value, grads = fn(state, policy)
-    ref_value, ref_grads = fn(state, "none")
+    value, grads = fn(state, (policy, layer_loop))
+    ref_value, ref_grads = fn(state, ("none", "scan"))
     np.testing.assert_allclose(value, ref_value, rtol=1e-6)
     ref_flat = models.hf_from_state(ref_grads)
     for name, g in models.hf_from_state(grads).items():
