@@ -20,7 +20,8 @@ arguments are the bucketed shapes and a `SamplePlan`.
    keys/values at a time and no copy of the cache) and draws each row's first token from the
    logits after its prompt (draw index 0 of its key). Its entries are rows, padded to the
    cache's rows, so neither the mix of prompts and completions per prompt admitted nor their
-   number sets its shape.
+   number sets its shape; its writes and output projection run over the admitted rows only
+   (a loop and a branch sized at run time), so neither does its cost.
 3. `decode`: up to ``steps`` decode steps in a `lax.while_loop` over all rows of the cache;
    stops early when no row is live or ``refill_at`` rows have finished (so their slots can be
    refilled). Row r's token i is drawn with `fold_in(row_key, i)`, row_key from (prompt seed,
@@ -142,35 +143,53 @@ class Programs:
         (`paged_cache.PagedLayout`), else None.
 
         The entries are rows, not prompts x completions, padded to the cache's rows by the
-        scheduler, so the program's shape is not set by how many rows are admitted or by the
-        mix of prompts and completions per prompt they come from: a sampler whose admissions
-        mix a rollout's groups with trajectories returning from their tools runs a few
-        programs, not one per mix. The rows' slots are gathered and written in place in the
-        donated cache one layer at a time: the program holds at most one layer of the
-        admitted rows' keys and values (no more than a layer of the cache), never a copy of
-        the cache. A row's slots past its prompt keep whatever they held (stale and finite,
-        masked until decode writes them)."""
+        scheduler (the rows first, then the padding), so the program's shape is not set by
+        how many rows are admitted or by the mix of prompts and completions per prompt they
+        come from: a sampler whose admissions mix a rollout's groups with trajectories
+        returning from their tools runs a few programs, not one per mix. The padding costs
+        (almost) nothing: the rows are written in blocks of the smallest of `admit_sizes`,
+        only as many blocks as hold rows (a loop of run-time length), and their logits
+        projected by `_admitted_logits`; only the draw (top-k over the logits) runs over
+        every entry. The rows' slots are gathered and written in place in the donated cache
+        one layer at a time: the program holds at most one layer of a block's keys and
+        values (no more than a layer of the cache), never a copy of the cache. A row's slots
+        past its prompt keep whatever they held (stale and finite, masked until decode writes
+        them)."""
         model, _ = self.model(leaves)
         width = layout.width(cache, pages)
         b, w = hidden.shape[:2]
+        admitted = jnp.sum(row_slot < layout.rows(cache, pages), dtype=jnp.int32)
+        entries = row_slot.shape[0]
+        block = admit_sizes(entries)[0]
+        pad = -entries % block  # whole blocks: the extra entries are padding (dropped)
         t = jnp.arange(min(w, width))
         # Row e's slot t reads packed position start + t; slots past its prompt are dropped.
-        source = jnp.minimum(row_start[:, None] + t, b * w - 1)  # [E, T]
-        slot = jnp.where(t < row_length[:, None], t, width)  # width: out of range, dropped
+        source = jnp.pad(jnp.minimum(row_start[:, None] + t, b * w - 1), ((0, pad), (0, 0)))
+        slot = jnp.pad(jnp.where(t < row_length[:, None], t, width), ((0, pad), (0, 0)),
+                       constant_values=width)  # width: out of range, dropped
+        rows = jnp.pad(row_slot, (0, pad), constant_values=layout.rows(cache, pages))
         flat = tuple(x.reshape(x.shape[0], b * w, *x.shape[3:]) for x in kv)  # [L, B*W, K, Dh]
 
-        def write(layer, cache):
-            k, v = (jnp.take(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), source,
-                             axis=0) for x in flat)  # [E, T, K, Dh]
-            return layout.write(cache, layer, row_slot, slot, k, v, pages, sharding)
+        def write_block(i, cache):
+            at = i * block
+            source_b, slot_b, rows_b = (jax.lax.dynamic_slice_in_dim(x, at, block)
+                                        for x in (source, slot, rows))
 
-        if layout.layers_apart:  # each layer's own arrays
-            for layer in range(flat[0].shape[0]):
-                cache = write(layer, cache)
-        else:
-            cache = jax.lax.fori_loop(0, flat[0].shape[0], write, tuple(cache))
+            def write(layer, cache):
+                k, v = (jnp.take(jax.lax.dynamic_index_in_dim(x, layer, keepdims=False),
+                                 source_b, axis=0) for x in flat)  # [block, T, K, Dh]
+                return layout.write(cache, layer, rows_b, slot_b, k, v, pages, sharding)
+
+            if layout.layers_apart:  # each layer's own arrays
+                for layer in range(flat[0].shape[0]):
+                    cache = write(layer, cache)
+                return cache
+            return jax.lax.fori_loop(0, flat[0].shape[0], write, cache)
+
+        # only the blocks holding admitted rows (they come first): the padding costs nothing
+        cache = jax.lax.fori_loop(0, -(-admitted // block), write_block, tuple(cache))
         last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
-        logits = model.logits(last)  # [E, V]
+        logits = _admitted_logits(model, last, admitted)  # [E, V]
         tokens, logprobs = _draw(logits, params, _row_keys(params),
                                  jnp.zeros(logits.shape[:1], jnp.int32), plan)
         return cache, tokens, logprobs, _is_stop(tokens, params.stop_ids)
@@ -182,6 +201,46 @@ class Programs:
         return _decode_loop(model, layers, cache, pages, last_token, length, generated,
                             live, params, steps_limit, refill_at, plan=plan, steps=steps,
                             sharding=sharding, layout=layout)
+
+
+def admit_sizes(entries: int) -> list[int]:
+    """The sizes admit's per-row work takes for ``entries`` entries: the powers of two (of
+    ``entries``, halved and rounded up) from about an eighth of ``entries`` up to all of them.
+    The smallest is the block of rows it writes at a time, and `_admitted_logits` picks the
+    smallest holding the admitted rows."""
+    sizes, size = [], entries
+    while True:
+        sizes.insert(0, size)
+        if size == 1 or size * 8 <= entries:
+            return sizes
+        size = -(-size // 2)
+
+
+def _admitted_logits(model, last, admitted):
+    """Logits [E, V] of admit's entries from the hidden states after their prompts, ``last``
+    [E, D], of which the first ``admitted`` are rows (the rest padding, whose logits read 0).
+
+    The output projection (a [rows, D] x [D, V] matmul, the most of admit's arithmetic) runs
+    over the smallest of `admit_sizes` holding the admitted rows, the branch picked at run
+    time (`lax.switch`): a boundary that admits a few rows into a big cache, as continuous
+    batching does (about an eighth of the batch at a time), projects those, not every row
+    of the cache, while the program's shape stays the prefill's and the cache's. The branch
+    is a function of the rows admitted, as the rest of the schedule is (an exclusive
+    request's tokens stay bitwise a function of the request); on XLA:CPU a row's logits do
+    not depend on the rows beside it, so no token changes. Only the projection is branched:
+    branches that also drew the tokens (top-k, the inverse CDF) would each compile a draw,
+    the bulk of admit's compile time (bench/README.md)."""
+    entries = last.shape[0]
+
+    def branch(size: int):
+        def project(last):
+            return jnp.pad(model.logits(last[:size]), ((0, entries - size), (0, 0)))
+        return project
+
+    sizes = admit_sizes(entries)
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), admitted),
+                        len(sizes) - 1)
+    return jax.lax.switch(index, [branch(s) for s in sizes], last)
 
 
 @functools.lru_cache(maxsize=8)

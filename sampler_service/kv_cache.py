@@ -137,6 +137,11 @@ class CacheLayout:
         (k_cache, _), _ = self._layer(cache, 0)
         return k_cache.shape[self.slot_axes[0]]
 
+    def rows(self, cache: tuple, pages=None) -> int:
+        """Rows of ``cache`` (``pages``: the paged layout's; unused here)."""
+        (k_cache, _), _ = self._layer(cache, 0)
+        return k_cache.shape[self.row_axis]
+
     def write(self, cache: tuple, layer, rows, slots, k, v, pages=None,
               sharding: NamedSharding | None = None) -> tuple:
         """Keys/values ``k, v`` [N, P, K, Dh] at slots ``slots`` [N, P] of rows ``rows`` [N]

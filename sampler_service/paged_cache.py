@@ -91,6 +91,10 @@ class PagedLayout:
         """Slots a row can address through ``pages``."""
         return pages.shape[1] * self.page_size
 
+    def rows(self, cache: tuple, pages) -> int:
+        """Rows the page tables ``pages`` hold."""
+        return pages.shape[0]
+
     def write(self, cache: tuple, layer, rows, slots, k, v, pages,
               sharding: NamedSharding | None = None) -> tuple:
         """Keys/values ``k, v`` [N, P, K, Dh] at slots ``slots`` [N, P] of rows ``rows`` [N]

@@ -451,9 +451,9 @@ class Scheduler:
         the rows: a boundary that admits a rollout's groups and trajectories returning from
         their tools in any numbers runs one of the few programs the prefill shapes already
         make, where entries bucketed by count made a program per (packed rows, entries) pair,
-        some of them met only after many minutes. A padding entry costs a row of logits and
-        a gather of its (clamped) prompt slots: at most what one decode step over the cache
-        computes."""
+        some of them met only after many minutes. A padding entry costs admit almost nothing
+        (its writes and output projection run over the admitted rows only,
+        `_programs.admit_sizes`): a row of the draw's top-k."""
         prompts = [g.request.prompts[g.index] for g in chunk]
         tokens, positions, segments, starts = pack_prompts(
             prompts, self.cache.max_width, self.pad_token_id)

@@ -150,8 +150,11 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
     tokens, positions, segments, starts = pack_prompts(prompts, 32, 0)
     kv, hidden = programs.prefill(leaves, tokens, positions, segments)
     marker = 3.0
-    cache = tuple(jnp.full(s, marker, jnp.float32) for s in (
-        (2, 6, 2, 8, 32), (2, 6, 2, 32, 8)))  # [L, R, K, Dh, S], [L, R, K, S, Dh]
+
+    def marked():  # [L, R, K, Dh, S], [L, R, K, S, Dh]
+        return _laid_out(*(jnp.full(s, marker, jnp.float32) for s in (
+            (2, 6, 2, 8, 32), (2, 6, 2, 32, 8))), slot_major)
+
     # prompt 0 -> rows 2 and 5, prompt 1 -> row 0; a padding entry (slot 6: dropped)
     row_start = np.array([starts[0], starts[0], starts[1], starts[1]], np.int32)
     row_length = np.array([3, 3, 5, 5], np.int32)
@@ -162,11 +165,21 @@ def test_admit_writes_only_the_new_rows_prompt_slots_in_every_layer(slot_major):
         versions=np.zeros((n, 2), np.uint32), temperature=np.ones(n, np.float32),
         top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32), greedy=np.ones(n, bool),
         max_new=np.full(n, 4, np.int32), stop_ids=np.full((n, 1), -1, np.int32))
-    cache, tokens, *_ = programs.admit(
-        leaves, _laid_out(*cache, slot_major), None, kv, hidden, row_start, row_length,
-        row_slot, params, plan=SamplePlan(sampled=False), sharding=None, layout=layout)
+    plan = SamplePlan(sampled=False)
+    cache, tokens, logprobs, _ = programs.admit(
+        leaves, marked(), None, kv, hidden, row_start, row_length, row_slot, params,
+        plan=plan, sharding=None, layout=layout)
     k_cache, v_cache = _stacked_cpu_layout(cache, slot_major)
     assert tokens[0] == tokens[1]  # prompt 0's two rows: the same greedy first token
+    # the padding entry changes nothing: the rows alone (another block and projection size)
+    # write the same cache and draw the same tokens and logprobs, bit for bit
+    alone, alone_tokens, alone_logprobs, _ = programs.admit(
+        leaves, marked(), None, kv, hidden, row_start[:3], row_length[:3], row_slot[:3],
+        jax.tree.map(lambda x: x[:3], params), plan=plan, sharding=None, layout=layout)
+    for x, y in zip(jax.tree.leaves(alone), jax.tree.leaves(cache), strict=True):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(alone_tokens, tokens[:3])
+    np.testing.assert_array_equal(alone_logprobs, logprobs[:3])
     k_all, v_all = (np.asarray(x).reshape(2, -1, 2, 8) for x in kv)  # [L, B*W, K, Dh]
     for row, prompt in ((2, 0), (5, 0), (0, 1)):
         size, start = prompts[prompt].size, starts[prompt]
