@@ -866,6 +866,10 @@ class ServicesConfig(Section):
     """Seconds between a sampler's heartbeats to the trainer."""
     sampler_timeout_s: float = 10.0
     """A sampler silent for this long is dropped; its rollouts in flight go to others."""
+    sampler_max_internal_failures: PositiveInt = 3
+    """A sampler whose rollouts fail inside it (gRPC INTERNAL) this many times in a row is
+    refused: dropped, its prompts go to others, its address tried again after
+    ``sampler_timeout_s``; with every sampler refused the trainer reports the run stalled."""
     sampler_wait_s: PositiveFloat = 600.0
     """How long the trainer waits for a ready sampler (at start, and whenever none is left)
     before it gives up with an error."""

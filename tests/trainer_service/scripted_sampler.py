@@ -31,6 +31,7 @@ class Script:
     stall_s: float = 0.0  # the first request answers nothing this long (or until cancelled)
     behind: bool = False  # answer FAILED_PRECONDITION (weights older than asked)
     reward_down: int = 0  # answer UNAVAILABLE, cause REWARD_UNAVAILABLE, this many times
+    broken: bool = False  # answer INTERNAL (every generation step fails), yet answer GetInfo
     refuse_text: str = "BAD"  # INVALID_ARGUMENT for a request holding a prompt with this
     flat: bool = False  # every completion of a group gets the same reward
     architecture: str = "ScriptedForCausalLM"
@@ -81,6 +82,9 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
                           f"weight version {script.version}")
         if down:
             abort(context, grpc.StatusCode.UNAVAILABLE, "scoring is down", Cause.REWARD_UNAVAILABLE)
+        if script.broken:
+            context.abort(grpc.StatusCode.INTERNAL, "rollout failed: ValueError('Expected 2 "
+                          "per-device arrays')")
         for i, prompt in enumerate(request.prompts):
             if script.refuse_text in prompt.text:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -202,6 +202,33 @@ def test_a_reward_outage_pauses_dispatch_without_blaming_the_sampler(samplers):
     assert len(sampler.requests) == 3  # two refused, then one that scored: no tight loop
 
 
+def test_a_sampler_failing_every_rollout_inside_is_refused_and_its_prompts_kept(samplers):
+    # It answers probes, so each probe made it ready again for the next prompts to fail: the
+    # run waited for groups that never came. After sampler_max_internal_failures in a row it
+    # is refused, the run says why it is stalled, and every prompt is still the queue's.
+    broken = samplers("broken", broken=True)
+    pool, _ = pool_of(broken)
+    handle = pool.all()[0]
+    queue = RolloutQueue([Lane(TRAIN, 2, SAMPLING)])
+    queue.add(work(2))
+    dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
+    dispatcher.start()
+    try:
+        for failed in range(1, 4):
+            _wait(lambda n=failed: len(broken.requests) == n and handle.state != READY,
+                  f"rollout {failed} to fail")
+            pool.refresh()  # the probe succeeds: ready again, until the third failure
+        _wait(lambda: pool.all() == [], "the broken sampler to be refused")
+    finally:
+        dispatcher.stop()
+        pool.stop()
+    assert len(broken.requests) == 3 and pool.left == 1
+    assert pool.stalled().startswith(f"every sampler was refused: {broken.address}: its last "
+                                     "3 rollouts failed inside it; the last: INTERNAL: rollout "
+                                     "failed: ValueError('Expected 2 per-device arrays')")
+    assert queue.outstanding() == 2 and queue.counts["redispatched"] >= 2, dict(queue.counts)
+
+
 def test_membership_states_follow_probes_failures_and_drops(samplers):
     sampler = samplers("member")
     pool, joined = pool_of(sampler, timeout_s=0.001)

@@ -16,6 +16,9 @@ How a call ends decides what happens next:
 - UNAVAILABLE with the cause ``REWARD_UNAVAILABLE`` (``splitrl.error_cause``, in the trailing
   metadata): scoring is down, not the sampler; dispatching pauses with an exponential back-off
   instead of re-sending in a tight loop;
+- INTERNAL: the request failed inside the sampler (its engine); suspect, and refused after
+  ``services.sampler_max_internal_failures`` such failures in a row (it answers probes, so
+  it would otherwise get every prompt again, failing each);
 - anything else (a dead process, a timeout): the sampler is suspect; the items go back to the
   queue for another sampler.
 """
@@ -239,6 +242,8 @@ class Dispatcher:
             return Failure(message, refused=True)
         elif code == grpc.StatusCode.UNAVAILABLE and cause_of(e) == Cause.REWARD_UNAVAILABLE:
             self._back_off(details)
+        elif code == grpc.StatusCode.INTERNAL:
+            self.pool.report_internal_failure(handle, message)
         elif code != grpc.StatusCode.CANCELLED or not self._stop.is_set():
             self.pool.report_failure(handle, message)
         return Failure(message)

@@ -23,8 +23,10 @@ A sampler must be a SplitRL sampler of this run (``identity.py``): an address th
 other parameter shapes is refused, naming what differs, and a second address of a process
 already known (same instance id) is merged into the known entry, not added beside it. A
 sampler that refuses our pushes for a reason that will not change is refused too
-(:meth:`SamplerPool.refuse`). When every sampler is refused, :meth:`SamplerPool.stalled` says
-why: the trainer reports it (``Status.stalled``, health NOT_SERVING) instead of waiting.
+(:meth:`SamplerPool.refuse`), and so is one whose rollouts keep failing inside it
+(:meth:`SamplerPool.report_internal_failure`). When every sampler is refused,
+:meth:`SamplerPool.stalled` says why: the trainer reports it (``Status.stalled``, health
+NOT_SERVING) instead of waiting.
 
 The pool is the one writer of sampler state: every field of a :class:`SamplerHandle` changes
 only inside a pool method, under the pool's lock. The dispatcher and the publisher report what
@@ -68,6 +70,8 @@ class SamplerHandle:
     weights_id: str = ""
     last_ok: float = field(default_factory=time.monotonic)
     failures: int = 0
+    # Rollouts failed INSIDE the sampler (INTERNAL) since its last completed one.
+    internal_failures: int = 0
     # One push at a time per sampler (it refuses a second concurrent one with ABORTED).
     push_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -254,10 +258,23 @@ class SamplerPool:
                 handle.state = SUSPECT
         log.warning("sampler call failed", extra={"address": handle.address, "error": str(error)})
 
+    def report_internal_failure(self, handle: SamplerHandle, error: str) -> None:
+        """A rollout failed inside ``handle`` (INTERNAL: its engine, not the network): suspect
+        as any failure, and refused once ``services.sampler_max_internal_failures`` rollouts in
+        a row failed so. It still answers probes, so suspect alone would hand it work again
+        and again, every prompt failing, with the run waiting for groups that never come."""
+        self.report_failure(handle, error)
+        with self._lock:
+            handle.internal_failures += 1
+            broken = handle.internal_failures >= self._cfg.sampler_max_internal_failures
+        if broken:
+            self.refuse(handle, f"its last {handle.internal_failures} rollouts failed inside "
+                                f"it; the last: {error}")
+
     def report_ok(self, handle: SamplerHandle) -> None:
         with self._lock:
             handle.last_ok = time.monotonic()
-            handle.failures = 0
+            handle.failures = handle.internal_failures = 0
 
     # -- probing --------------------------------------------------------------------------
 
