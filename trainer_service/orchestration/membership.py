@@ -266,10 +266,9 @@ class SamplerPool:
         self.report_failure(handle, error)
         with self._lock:
             handle.internal_failures += 1
-            broken = handle.internal_failures >= self._cfg.sampler_max_internal_failures
-        if broken:
-            self.refuse(handle, f"its last {handle.internal_failures} rollouts failed inside "
-                                f"it; the last: {error}")
+            failed = handle.internal_failures
+        if failed >= self._cfg.sampler_max_internal_failures:
+            self.refuse(handle, f"its last {failed} rollouts failed inside it; the last: {error}")
 
     def report_ok(self, handle: SamplerHandle) -> None:
         with self._lock:
