@@ -208,7 +208,8 @@ def admit_sizes(entries: int) -> list[int]:
     ``entries``, halved and rounded up) from about an eighth of ``entries`` up to all of them.
     The smallest is the block of rows it writes at a time, and `_admitted_logits` picks the
     smallest holding the admitted rows."""
-    sizes, size = [], entries
+    sizes: list[int] = []
+    size = entries
     while True:
         sizes.insert(0, size)
         if size == 1 or size * 8 <= entries:

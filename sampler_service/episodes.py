@@ -24,6 +24,7 @@ re-enters as soon as its own tools return. Turn t of episode j of a prompt sampl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -32,7 +33,7 @@ import threading
 import time
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,13 @@ from sampler_service import metrics
 from sampler_service.requests import FinishedGroup, cut_at_stop_string
 from sampler_service.sampling import SamplingOptions
 from splitrl.config import EnvironmentConfig
-from splitrl.environments import ToolCall, ToolRunner, detect_format, parse_tool_calls
+from splitrl.environments import (
+    Started,
+    ToolCall,
+    ToolRunner,
+    detect_format,
+    parse_tool_calls,
+)
 from splitrl.environments.render import ObservationRenderer
 
 log = logging.getLogger(__name__)
@@ -151,7 +158,7 @@ class Episodes:
         flat = [(key, columns[i]) for i, row in enumerate(keys) for key in row]
         workers = max(self.runner.workers, 1)
         batches = [flat[w::workers] for w in range(min(workers, len(flat)))]
-        started = {}
+        started: dict[str, Started] = {}
         for batch, future in [(b, self._pool.submit(self.runner.start_many, b))
                               for b in batches]:
             started.update(zip((key for key, _ in batch), future.result(), strict=True))
@@ -418,9 +425,12 @@ class _Driver:
         for keys in runner.by_worker(self.ending):
             self.pending += 1
             future = self.owner._pool.submit(runner.end_many, keys)  # noqa: SLF001
-            future.add_done_callback(lambda f, keys=tuple(keys): self.events.put(
-                ("ended", keys, None if f.exception() else f.result())))
+            future.add_done_callback(functools.partial(self._ended, tuple(keys)))
         self.ending = []
+
+    def _ended(self, keys: tuple[str, ...], future: Future) -> None:
+        """A batch of ends came back (on the pool's thread): the driver's loop takes it."""
+        self.events.put(("ended", keys, None if future.exception() else future.result()))
 
     def _maybe_deliver(self, prompt: int) -> None:
         eps = [self.episodes[k] for k in self.keys[prompt]]

@@ -126,6 +126,7 @@ def worker_main(conn, name: str, options: dict, timeout_s: float, memory_mb: int
         if request is None:
             return
         op = request[0]
+        reply: object
         if op == "start":
             reply = [episodes.start(episode, columns) for episode, columns in request[1]]
         elif op == "call":

@@ -268,15 +268,16 @@ class ToolRunner:
             states = {e: self._episodes.pop(e, None) for e in episodes}
             workers = self._workers
         rewards: dict[str, float | None] = dict.fromkeys(episodes)
+        known = {e: s for e, s in states.items() if s is not None}  # others: unknown
         groups: dict[int, list[str]] = {}
-        for episode, state in states.items():
-            if state is not None and workers:  # else unknown, or the runner closed
+        for episode, state in known.items():
+            if workers:  # else the runner closed
                 groups.setdefault(state.worker, []).append(episode)
         for index, group in groups.items():
             worker = workers[index]
             with worker.lock:
-                group = [e for e in group if states[e].generation == worker.generation
-                         or self._restore(worker, e, states[e])]
+                group = [e for e in group if known[e].generation == worker.generation
+                         or self._restore(worker, e, known[e])]
                 reply = worker.request(("end", group), self._deadline_s) if group else None
             if reply is not None:
                 rewards.update(zip(group, reply[1], strict=True))
