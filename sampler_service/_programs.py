@@ -142,25 +142,28 @@ class Programs:
         row. ``pages``: the rows' page tables [R, n] of a paged cache
         (`paged_cache.PagedLayout`), else None.
 
-        The entries are rows, not prompts x completions, padded to the cache's rows by the
-        scheduler (the rows first, then the padding), so the program's shape is not set by
-        how many rows are admitted or by the mix of prompts and completions per prompt they
-        come from: a sampler whose admissions mix a rollout's groups with trajectories
-        returning from their tools runs a few programs, not one per mix. The padding costs
-        (almost) nothing: the rows are written in blocks of the smallest of `admit_sizes`,
-        only as many blocks as hold rows (a loop of run-time length), and their logits
-        projected by `_admitted_logits`; only the draw (top-k over the logits) runs over
-        every entry. The rows' slots are gathered and written in place in the donated cache
-        one layer at a time: the program holds at most one layer of a block's keys and
-        values (no more than a layer of the cache), never a copy of the cache. A row's slots
-        past its prompt keep whatever they held (stale and finite, masked until decode writes
-        them)."""
+        The entries are rows, not prompts x completions, padded to the cache's rows by the scheduler
+        (the rows first, then the padding), so the program's shape is not set by how many rows are
+        admitted or by the mix of prompts and completions per prompt they come from: a sampler whose
+        admissions mix a rollout's groups with trajectories returning from their tools runs a few
+        programs, not one per mix. With the layers apart (CPU) the padding costs (almost) nothing:
+        the rows are written in blocks of the smallest of `admit_sizes`, only as many blocks as hold
+        rows (a loop of run-time length), and their logits projected by `_admitted_logits`; only the
+        draw (top-k over the logits) runs over every entry. The rows' slots are gathered and written
+        in place in the donated cache one layer at a time: the program holds at most one layer of a
+        block's keys and values (no more than a layer of the cache), never a copy of the cache. A
+        row's slots past its prompt keep whatever they held (stale and finite, masked until decode
+        writes them)."""
         model, _ = self.model(leaves)
         width = layout.width(cache, pages)
         b, w = hidden.shape[:2]
         admitted = jnp.sum(row_slot < layout.rows(cache, pages), dtype=jnp.int32)
         entries = row_slot.shape[0]
-        block = admit_sizes(entries)[0]
+        # The stacked cache (TPU/GPU, paged) is written by the layer loop alone, all entries
+        # at once and projected whole: nested in a loop over blocks, with the projection
+        # branched, the TPU compiler held several times the cache in temporaries
+        # (tests/splitrl_app/planning); the padding's cost is the CPU's (layers apart) concern.
+        block = admit_sizes(entries)[0] if layout.layers_apart else entries
         pad = -entries % block  # whole blocks: the extra entries are padding (dropped)
         t = jnp.arange(min(w, width))
         # Row e's slot t reads packed position start + t; slots past its prompt are dropped.
@@ -186,10 +189,14 @@ class Programs:
                 return cache
             return jax.lax.fori_loop(0, flat[0].shape[0], write, cache)
 
-        # only the blocks holding admitted rows (they come first): the padding costs nothing
-        cache = jax.lax.fori_loop(0, -(-admitted // block), write_block, tuple(cache))
         last = jnp.take(hidden.reshape(b * w, -1), row_start + row_length - 1, axis=0)
-        logits = _admitted_logits(model, last, admitted)  # [E, V]
+        if layout.layers_apart:
+            # only the blocks holding admitted rows (they come first): the padding costs nothing
+            cache = jax.lax.fori_loop(0, -(-admitted // block), write_block, tuple(cache))
+            logits = _admitted_logits(model, last, admitted)  # [E, V]
+        else:
+            cache = write_block(0, tuple(cache))
+            logits = model.logits(last)
         tokens, logprobs = _draw(logits, params, _row_keys(params),
                                  jnp.zeros(logits.shape[:1], jnp.int32), plan)
         return cache, tokens, logprobs, _is_stop(tokens, params.stop_ids)
