@@ -30,7 +30,7 @@ import logging
 import multiprocessing
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +135,14 @@ class _Worker:
             self.process.join(1)
         self.conn.close()
 
+
+
+def _by_worker(states: Iterable[tuple[str, _Episode | None]]) -> dict[int, list[str]]:
+    """Episodes by the index of the worker each lives on (-1: unknown), in order."""
+    groups: dict[int, list[str]] = {}
+    for episode, state in states:
+        groups.setdefault(-1 if state is None else state.worker, []).append(episode)
+    return groups
 
 class ToolRunner:
     """See the module docstring. Thread-safe: episodes are driven from many threads."""
@@ -253,12 +261,8 @@ class ToolRunner:
     def by_worker(self, episodes: Sequence[str]) -> list[list[str]]:
         """``episodes`` grouped by the worker each lives on (unknown ones together): each
         group is one round trip of `end_many`."""
-        groups: dict[int, list[str]] = {}
         with self._lock:
-            for episode in episodes:
-                state = self._episodes.get(episode)
-                groups.setdefault(-1 if state is None else state.worker, []).append(episode)
-        return list(groups.values())
+            return list(_by_worker((e, self._episodes.get(e)) for e in episodes).values())
 
     def end_many(self, episodes: Sequence[str]) -> list[float | None]:
         """End several episodes: each one's environment's ``reward`` attribute if a number,
@@ -269,10 +273,7 @@ class ToolRunner:
             workers = self._workers
         rewards: dict[str, float | None] = dict.fromkeys(episodes)
         known = {e: s for e, s in states.items() if s is not None}  # others: unknown
-        groups: dict[int, list[str]] = {}
-        for episode, state in known.items():
-            if workers:  # else the runner closed
-                groups.setdefault(state.worker, []).append(episode)
+        groups = _by_worker(known.items()) if workers else {}  # none: the runner closed
         for index, group in groups.items():
             worker = workers[index]
             with worker.lock:
