@@ -869,10 +869,13 @@ class ServicesConfig(Section):
     sampler_max_internal_failures: PositiveInt = 3
     """A sampler whose rollouts fail inside it (gRPC INTERNAL) this many times in a row is
     refused: dropped, its prompts go to others, its address tried again after
-    ``sampler_timeout_s``; with every sampler refused the trainer reports the run stalled."""
+    ``sampler_timeout_s`` (ready again once a rollout of it completes); with every sampler
+    refused the trainer reports the run stalled, and stops after ``sampler_wait_s``."""
     sampler_wait_s: PositiveFloat = 600.0
-    """How long the trainer waits for a ready sampler (at start, and whenever none is left)
-    before it gives up with an error."""
+    """How long the trainer waits with no sampler ready to take work, at start or at any time
+    later (every sampler refused, unreachable or still syncing), before the run stops with exit
+    code 4 naming each sampler and why; it checkpoints first, so the same command resumes. A
+    sampler that restarts within it is waited for."""
     metrics_port: int | None = None
     """The Prometheus /metrics port of each service (null: none; splitrl up gives each process a
     free port of its own)."""

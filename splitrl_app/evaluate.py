@@ -125,14 +125,14 @@ def evaluate(cfg: Config, sampler_addresses: list[str], *, samples: int, ks: lis
             if problem is not None:
                 raise ValueError(problem)
         items = eval_items(rows)
-        groups = collect_lane(queue, items, EVAL, stop=stop)
+        groups = collect_lane(queue, items, EVAL, stop=stop, check=pool.check_usable)
         result = eval_metrics(groups, fn, len(items))
         if out is not None:
             write_jsonl(out / "eval_completions.jsonl",
                         completion_records(groups, fn, tokenizer))
         if samples:
             groups = collect_lane(queue, sampled_items(rows, cfg.trainer.seed), SAMPLED,
-                                  stop=stop)
+                                  stop=stop, check=pool.check_usable)
             result.update({f"eval/{k}": v for k, v in pass_at_k_metrics(groups, fn, ks).items()})
             if out is not None:
                 write_jsonl(out / "sampled_completions.jsonl",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitrl.config import Config
@@ -40,11 +41,14 @@ class PromptFeed:
     trained on."""
 
     def __init__(self, cfg: Config, data: PromptStream, queue: RolloutQueue,
-                 stop: threading.Event):
+                 stop: threading.Event, check: Callable[[], None] | None = None):
+        """``check`` runs while a step waits for its groups and may raise to give up
+        (``SamplerPool.check_usable``: no sampler left)."""
         self.cfg = cfg
         self.data = data
         self.queue = queue
         self.stop = stop
+        self.check = check
         self.drawn = 0
 
     def draw(self, count: int) -> int:
@@ -80,7 +84,7 @@ class PromptFeed:
         out = Collected([])
         self.draw_ahead(step)
         while True:
-            taken = self.queue.take(TRAIN, n, stop=self.stop)
+            taken = self.queue.take(TRAIN, n, stop=self.stop, check=self.check)
             if taken.groups:
                 out.groups = taken.groups
                 break

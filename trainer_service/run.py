@@ -52,6 +52,7 @@ from trainer_service.learning.checkpoints import SaveFailed
 from trainer_service.learning.multihost import HostGroup
 from trainer_service.orchestration.evaluation import RunEvaluation, accuracy_function
 from trainer_service.orchestration.identity import ModelIdentity
+from trainer_service.orchestration.membership import NoUsableSampler
 from trainer_service.orchestration.parts import build_leader_parts
 from trainer_service.orchestration.prompt_length import token_counter
 from trainer_service.orchestration.publisher import PushInFlight, PushResult, push_metrics
@@ -120,12 +121,15 @@ class LeaderRun:
                                                             self.tokenizer)),
                                         lora=learner.lora)
         self.data, self.queue, self.pool = self.parts.data, self.parts.queue, self.parts.pool
-        self.feed = PromptFeed(cfg, self.data, self.queue, self.stop_event)
+        # Every wait for rollouts gives up once no sampler has been ready for
+        # services.sampler_wait_s (NoUsableSampler): the run stops, checkpointed, saying why.
+        self.feed = PromptFeed(cfg, self.data, self.queue, self.stop_event,
+                               check=self.pool.check_usable)
         self.publisher, self.audit = self.parts.publisher, self.parts.audit
         self.accuracy_fn = accuracy_function(cfg)
         self.evaluation = RunEvaluation(cfg, self.data, self.queue, tokenizer=self.tokenizer,
                                         run_dir=self.run_dir, accuracy_fn=self.accuracy_fn,
-                                        stop=self.stop_event)
+                                        stop=self.stop_event, check=self.pool.check_usable)
         self.reward_checks = RewardChecks.from_config(cfg.reward)
         self.metrics_file = JsonlAppender(self.run_dir / "metrics.jsonl")
         self.resumed_from: int | None = None
@@ -276,7 +280,8 @@ class LeaderRun:
     def _wait_for_samplers(self) -> None:
         wait_until(lambda: [h for h in self.pool.ready() if h.weight_version >= self.version],
                    timeout_s=self.cfg.services.sampler_wait_s, stop=self.stop_event,
-                   what="a sampler ready (services.sampler_wait_s)")
+                   what="a sampler ready (services.sampler_wait_s)",
+                   check=self.pool.check_usable)
 
     # -- checkpoint / resume --------------------------------------------------------------
 
@@ -373,6 +378,17 @@ class LeaderRun:
         except RewardFunctionFailed as e:  # the reward error policy stops the run: a clean stop
             self.stop_reason = str(e)  # "stopping the run: reward function ... failed ..."
             self._stopped(summary)
+            raise
+        except NoUsableSampler as e:  # waiting on would be waiting forever
+            self._failed(summary, str(e))  # checkpointed first where the state is consistent
+            saved = self.checkpointer.latest_step()
+            log.critical(f"{e}. The run stops; "
+                         + (f"its checkpoint at step {saved} holds every prompt not yet "
+                            f"trained on: run the same command once a sampler can take work, "
+                            f"and it resumes from there" if saved else
+                            "no step was checkpointed: the same command starts again from step "
+                            "0"),
+                         extra={"samplers": e.samplers, "console": True})
             raise
         except SaveFailed as e:  # the policy: stop, never train on without checkpoints
             log.critical(f"{e}; the run stops (a run never trains on without the checkpoints it "

@@ -32,6 +32,9 @@ from trainer_service.orchestration.identity import RefusedSampler
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "splitrl.v1.Trainer"
+# The exit code of a run that stopped because no sampler could take work for
+# services.sampler_wait_s (1: another failure; 2: cannot start; 3: the reward error policy).
+EXIT_NO_SAMPLER = 4
 
 STEP = Gauge("splitrl_trainer_step", "Train steps done")
 VERSION = Gauge("splitrl_trainer_weight_version", "Weight version of the policy")
@@ -141,7 +144,8 @@ class StallWatch:
             self._server.set_serving(not reason)
             if reason:
                 log.error("the run cannot make progress: %s; health is NOT_SERVING until a "
-                          "sampler of this run registers", reason)
+                          "sampler of this run registers (the run stops after "
+                          "services.sampler_wait_s without one)", reason)
             else:
                 log.info("a usable sampler is back; health is SERVING")
             reported = reason
@@ -204,6 +208,7 @@ def main(cfg: Config) -> int:
     )
     from trainer_service.learning.multihost import HostGroup
     from trainer_service.orchestration.evaluation import accuracy_line
+    from trainer_service.orchestration.membership import NoUsableSampler
     from trainer_service.orchestration.reward_checks import RewardFunctionFailed
     from trainer_service.run import LeaderRun
 
@@ -251,6 +256,8 @@ def main(cfg: Config) -> int:
         return 3
     except SaveFailed:  # logged where it was caught, with the cause and the way out
         return 1
+    except NoUsableSampler:  # logged where it was caught, with every sampler and why
+        return EXIT_NO_SAMPLER
     except Exception as e:  # the root cause, as the console's "last errors" show it first
         cause = storage_cause(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         log.critical("trainer failed: %s", cause, exc_info=True)

@@ -47,10 +47,11 @@ class ScriptedSampler(sampler_pb2_grpc.SamplerServicer):
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self):
+    def start(self, address: str = "127.0.0.1:0"):
+        """Serve at ``address`` (a free port by default; a stopped one's: its restart)."""
         self.server = start_server(
             lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(self, s),
-            "127.0.0.1:0", service_names=["splitrl.v1.Sampler"])
+            address, service_names=["splitrl.v1.Sampler"])
         self.address = self.server.address
         return self
 

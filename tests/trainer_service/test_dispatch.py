@@ -10,7 +10,14 @@ from splitrl.config import ServicesConfig
 from splitrl.v1 import common_pb2
 from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
 from trainer_service.orchestration.dispatcher import Dispatcher
-from trainer_service.orchestration.membership import NEW, READY, SUSPECT, SYNCING, SamplerPool
+from trainer_service.orchestration.membership import (
+    NEW,
+    READY,
+    SUSPECT,
+    SYNCING,
+    NoUsableSampler,
+    SamplerPool,
+)
 from trainer_service.orchestration.queue import Lane, RolloutQueue
 from trainer_service.orchestration.rollouts import TRAIN, WorkItem, item_seed
 
@@ -227,6 +234,70 @@ def test_a_sampler_failing_every_rollout_inside_is_refused_and_its_prompts_kept(
                                      "3 rollouts failed inside it; the last: INTERNAL: rollout "
                                      "failed: ValueError('Expected 2 per-device arrays')")
     assert queue.outstanding() == 2 and queue.counts["redispatched"] >= 2, dict(queue.counts)
+
+
+def test_a_run_whose_only_sampler_keeps_failing_inside_stops_waiting_naming_it(samplers):
+    """Refused, then taken back when its address is tried again, the broken sampler is ready
+    by every probe and push, yet not to the wait: the run's wait for groups gives up after
+    services.sampler_wait_s, naming the sampler and its error, and every prompt is still the
+    queue's (the checkpoint's). Heartbeats in between do not hide the failures."""
+    broken = samplers("broken", broken=True)
+    services = ServicesConfig(sampler_addresses=[broken.address], sampler_timeout_s=0.2,
+                              sampler_wait_s=1.0)
+    pool = SamplerPool(services, max_message_bytes=4 << 20)
+    pool.refresh()
+    handle = pool.all()[0]
+    pool.mark_ready(handle, 0)
+    queue = RolloutQueue([Lane(TRAIN, 2, SAMPLING)])
+    queue.add(work(2))
+    dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
+    dispatcher.start()
+    try:
+        for failed in range(1, 4):
+            _wait(lambda n=failed: len(broken.requests) == n and handle.state != READY,
+                  f"rollout {failed} to fail")
+            pool.report_ok(handle)  # a heartbeat: alive, which says nothing of its engine
+            pool.refresh()  # the probe succeeds: ready again, until the third failure
+        _wait(lambda: pool.all() == [], "the broken sampler to be refused")
+        _wait(lambda: (pool.refresh(), pool.all())[1], "its address to be tried again")
+        pool.mark_ready(pool.all()[0], 0)  # the join push succeeds: it takes pushes
+        assert pool.unready_s() > 0  # ready by its state, not to the wait
+        assert pool.stalled().startswith(f"every sampler was refused: {broken.address}")
+        with pytest.raises(NoUsableSampler) as stopped:
+            queue.take(TRAIN, 2, timeout_s=WAIT_S, check=pool.check_usable)
+    finally:
+        dispatcher.stop()
+        pool.stop()
+    assert stopped.value.waited_s > 1.0
+    assert stopped.value.samplers == {broken.address: (
+        "refused: its last 3 rollouts failed inside it; the last: INTERNAL: rollout failed: "
+        "ValueError('Expected 2 per-device arrays'); taken back, no rollout of it has "
+        "completed since")}
+    assert str(stopped.value).startswith("no sampler has been ready to take work for ")
+    assert queue.outstanding() == 2
+
+
+def test_a_sampler_restarting_at_its_address_is_waited_for_and_ready_again(samplers):
+    """Killed and started again at the same address: dropped as unreachable meanwhile (the
+    wait's clock runs, the wait goes on), then synced, ready, and the run's groups come."""
+    sampler = samplers("restarting")
+    services = ServicesConfig(sampler_addresses=[sampler.address], sampler_timeout_s=0.2,
+                              sampler_wait_s=WAIT_S)
+    pool = SamplerPool(services, max_message_bytes=4 << 20)
+    pool.refresh()
+    pool.mark_ready(pool.all()[0], 0)
+    assert pool.unready_s() == 0
+    sampler.stop()
+    _wait(lambda: (pool.refresh(), pool.all())[1] == [], "the stopped sampler dropped")
+    pool.check_usable()  # within services.sampler_wait_s: no error
+    assert pool.unready_s() > 0
+    assert pool.not_ready()[sampler.address].startswith("dropped: unreachable for ")
+    sampler.start(sampler.address)  # the same address, a new process
+    _wait(lambda: (pool.refresh(), pool.all())[1], "the restarted sampler to join")
+    pool.mark_ready(pool.all()[0], 0)  # what the join push does
+    assert pool.unready_s() == 0 and pool.stalled() == ""
+    taken, _ = run_dispatch(pool, Lane(TRAIN, 2, SAMPLING), work(3))
+    assert len(taken.groups) == 3
 
 
 def test_membership_states_follow_probes_failures_and_drops(samplers):

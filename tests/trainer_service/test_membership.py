@@ -4,6 +4,10 @@ a configured address is probed."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -13,12 +17,14 @@ import pytest
 from splitrl.config import ServicesConfig
 from splitrl.retry import wait_until
 from splitrl.serving import check_health, start_server
+from splitrl_app.launch.demo import demo_config_path
+from splitrl_app.launch.ports import free_port
 from tests.trainer_service.scripted_sampler import Script, ScriptedSampler
 from trainer_service.orchestration.identity import ModelIdentity, RefusedSampler
 from trainer_service.orchestration.join_sync import JoinSync
 from trainer_service.orchestration.membership import SamplerPool
 from trainer_service.orchestration.publisher import WeightPublisher
-from trainer_service.server import StallWatch
+from trainer_service.server import EXIT_NO_SAMPLER, StallWatch
 
 OURS = ModelIdentity.of("ScriptedForCausalLM",
                         {"model.embed_tokens.weight": np.zeros((16, 8), np.float32)})
@@ -180,3 +186,33 @@ def test_a_join_push_in_progress_does_not_delay_detecting_a_dead_sampler():
         publisher.close()
         joining.stop()
 
+
+
+def test_a_trainer_whose_every_sampler_is_refused_stops_after_sampler_wait_s(arith_model,
+                                                                            tmp_path):
+    """A real trainer process whose only sampler serves another model: it does not wait
+    forever but stops after services.sampler_wait_s with its own exit code, naming the sampler
+    and why, in the log and in summary.json. (Waiting mid-run ends the same way, from the
+    wait for a step's groups: test_dispatch.py.)"""
+    other = ScriptedSampler("other", Script(shapes={"model.embed_tokens.weight": (32, 8)}))
+    other.start()
+    run_dir = tmp_path / "run"
+    try:
+        trainer = subprocess.run(
+            [sys.executable, "-m", "splitrl", "trainer", "--config", str(demo_config_path()),
+             f"model.path={arith_model}", f"trainer.run_dir={run_dir}",
+             "trainer.mesh.axes={fsdp: 1}", "trainer.eval_before=false",
+             f"services.sampler_addresses=[{other.address}]",
+             f"services.trainer_address=127.0.0.1:{free_port()}",
+             "services.heartbeat_s=0.2", "services.sampler_wait_s=1"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    finally:
+        other.stop()
+    assert trainer.returncode == EXIT_NO_SAMPLER, trainer.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["state"] == "failed" and summary["step"] == 0
+    assert summary["reason"].startswith("no sampler has been ready to take work for ")
+    assert f"(services.sampler_wait_s): {other.address}: refused: " in summary["reason"]
+    assert "no step was checkpointed: the same command starts again from step 0" in (
+        trainer.stderr)

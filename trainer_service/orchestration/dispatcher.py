@@ -216,7 +216,7 @@ class Dispatcher:
                     continue
                 self.queue.deliver(claim.request_id, group_from_wire(item, msg,
                                                                      claim.request_id))
-            self.pool.report_ok(handle)
+            self.pool.report_rollout_ok(handle)
             self._backoff_s = 0.0
         except grpc.RpcError as e:
             failure = self._classify(handle, claim, e)

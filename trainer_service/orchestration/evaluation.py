@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -58,13 +59,15 @@ def sampled_items(rows: list[dict], seed: int) -> list[WorkItem]:
 
 
 def collect_lane(queue, items: list[WorkItem], lane: str, *,
-                 stop: threading.Event | None = None) -> list[RolloutGroup]:
+                 stop: threading.Event | None = None,
+                 check: Callable[[], None] | None = None) -> list[RolloutGroup]:
     """Hand ``items`` (all of ``lane``) to the rollout queue and wait for their groups, in the
-    items' order. Prompts the samplers refuse are dropped (logged); the others are returned."""
+    items' order (``check``: as ``RolloutQueue.take``). Prompts the samplers refuse are
+    dropped (logged); the others are returned."""
     queue.add(items)
     n, groups = len(items), []
     while n > 0:
-        taken = queue.take(lane, n, stop=stop)
+        taken = queue.take(lane, n, stop=stop, check=check)
         if taken.groups:
             groups = taken.groups
             break
@@ -81,10 +84,12 @@ class RunEvaluation:
     ``run_dir/evaluations/<tag>-step<step>.jsonl`` for auditing the accuracy."""
 
     def __init__(self, cfg: Config, data, queue, *, tokenizer, run_dir: Path,
-                 accuracy_fn: str | None, stop: threading.Event):
+                 accuracy_fn: str | None, stop: threading.Event,
+                 check: Callable[[], None] | None = None):
         self.tcfg = cfg.trainer
         self.data, self.queue, self.tokenizer = data, queue, tokenizer
         self.run_dir, self.accuracy_fn, self.stop = run_dir, accuracy_fn, stop
+        self.check = check  # while waiting for groups: as RolloutQueue.take
 
     def rows(self) -> list[dict]:
         """The rows an evaluation asks about (none: the run has no evaluation split)."""
@@ -93,7 +98,7 @@ class RunEvaluation:
     def evaluate(self, rows: list[dict], tag: str, step: int) -> dict[str, float]:
         """``<tag>/accuracy``, ``<tag>/reward``... of the weights the samplers serve now."""
         items = eval_items(rows)
-        groups = collect_lane(self.queue, items, EVAL, stop=self.stop)
+        groups = collect_lane(self.queue, items, EVAL, stop=self.stop, check=self.check)
         result = eval_metrics(groups, self.accuracy_fn, len(items))
         write_jsonl(self.run_dir / "evaluations" / f"{tag}-step{step:06d}.jsonl",
                     completion_records(groups, self.accuracy_fn, self.tokenizer))

@@ -26,7 +26,15 @@ sampler that refuses our pushes for a reason that will not change is refused too
 (:meth:`SamplerPool.refuse`), and so is one whose rollouts keep failing inside it
 (:meth:`SamplerPool.report_internal_failure`). When every sampler is refused,
 :meth:`SamplerPool.stalled` says why: the trainer reports it (``Status.stalled``, health
-NOT_SERVING) instead of waiting.
+NOT_SERVING). A refused sampler whose address comes back is on probation: it gets work again,
+but counts as ready only once a rollout of it completes (it answers probes and takes pushes
+whether its engine works or not).
+
+No wait is endless: :meth:`SamplerPool.check_usable` raises :class:`NoUsableSampler`, naming
+every sampler and why it cannot take work, once no sampler has been ready for
+``services.sampler_wait_s``; the run loop calls it while it waits for rollouts. A sampler
+that restarts is dropped (unreachable) and joins again: the clock runs only while no other is
+ready, and stops when it is ready again.
 
 The pool is the one writer of sampler state: every field of a :class:`SamplerHandle` changes
 only inside a pool method, under the pool's lock. The dispatcher and the publisher report what
@@ -55,6 +63,20 @@ log = logging.getLogger(__name__)
 NEW, SYNCING, READY, SUSPECT = "new", "syncing", "ready", "suspect"
 
 
+class NoUsableSampler(RuntimeError):
+    """No sampler could take work for ``services.sampler_wait_s``: the run stops rather than
+    wait on. ``samplers`` maps each address the pool knows of (or refused, or dropped) to why
+    it cannot take work."""
+
+    def __init__(self, waited_s: float, samplers: dict[str, str]):
+        self.waited_s, self.samplers = waited_s, samplers
+        why = "; ".join(f"{a}: {r}" for a, r in sorted(samplers.items())) or (
+            "none is known (none configured in services.sampler_addresses or "
+            "services.sampler_dns, none registered)")
+        super().__init__(f"no sampler has been ready to take work for {waited_s:.0f} s "
+                         f"(services.sampler_wait_s): {why}")
+
+
 @dataclass
 class SamplerHandle:
     address: str
@@ -70,6 +92,7 @@ class SamplerHandle:
     weights_id: str = ""
     last_ok: float = field(default_factory=time.monotonic)
     failures: int = 0
+    last_error: str = ""  # of its last failed call, for the report when none can take work
     # Rollouts failed INSIDE the sampler (INTERNAL) since its last completed one.
     internal_failures: int = 0
     # One push at a time per sampler (it refuses a second concurrent one with ABORTED).
@@ -120,9 +143,12 @@ class SamplerPool:
         self._max_message_bytes = max_message_bytes
         self._lock = threading.RLock()
         self._samplers: dict[str, SamplerHandle] = {}
-        self._dropped: dict[str, float] = {}  # address -> when it was dropped
+        self._dropped: dict[str, tuple[float, str]] = {}  # address -> (when, why) dropped
         self._aliases: dict[str, str] = {}  # another address of a known sampler -> its own
         self._refused: dict[str, tuple[float, str]] = {}  # address -> (when, why)
+        # Addresses refused while serving (refuse()): why, until a rollout of theirs completes.
+        self._probation: dict[str, str] = {}
+        self._ready_at = time.monotonic()  # when a sampler was last seen ready (the wait's clock)
         self._sync_joins = sync_joins
         self._joined: queue.SimpleQueue[SamplerHandle] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -207,18 +233,22 @@ class SamplerPool:
         it out until it is restarted (a configured address is tried again after
         ``services.sampler_timeout_s``; a sampler that registers again is checked again)."""
         self._refuse(handle.address, reason)
+        with self._lock:
+            self._probation[handle.address] = reason
         self.remove(handle, reason)
 
     def stalled(self) -> str:
         """Why no sampler can take work and waiting will not help (every sampler known was
         refused); "" while some sampler is usable or may still become so."""
         with self._lock:
-            if any(h.state in (SYNCING, READY, SUSPECT) for h in self._samplers.values()):
+            if any(h.state in (SYNCING, READY, SUSPECT) and h.address not in self._probation
+                   for h in self._samplers.values()):
                 return ""
-            refused = sorted(self._refused.items())
+            refused = sorted({**{a: r for a, (_, r) in self._refused.items()},
+                              **self._probation}.items())
         if not refused:
             return ""
-        address, (_, reason) = refused[0]
+        address, reason = refused[0]
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         return f"every sampler was refused: {address}: {reason}{more}"
 
@@ -227,7 +257,7 @@ class SamplerPool:
             if self._samplers.get(handle.address) is not handle:
                 return
             del self._samplers[handle.address]
-            self._dropped[handle.address] = time.monotonic()
+            self._dropped[handle.address] = (time.monotonic(), why)
             self._aliases = {a: c for a, c in self._aliases.items() if c != handle.address}
             self.left += 1
         handle.channel.close()  # its calls in flight fail; the queue re-dispatches them
@@ -254,6 +284,7 @@ class SamplerPool:
         """A call to ``handle`` failed: stop giving it work until a probe succeeds."""
         with self._lock:
             handle.failures += 1
+            handle.last_error = str(error)
             if handle.state == READY:
                 handle.state = SUSPECT
         log.warning("sampler call failed", extra={"address": handle.address, "error": str(error)})
@@ -271,9 +302,61 @@ class SamplerPool:
             self.refuse(handle, f"its last {failed} rollouts failed inside it; the last: {error}")
 
     def report_ok(self, handle: SamplerHandle) -> None:
+        """``handle`` answered (a heartbeat, a push): alive. Not that its engine works: only a
+        completed rollout says that (:meth:`report_rollout_ok`)."""
         with self._lock:
             handle.last_ok = time.monotonic()
-            handle.failures = handle.internal_failures = 0
+            handle.failures = 0
+
+    def report_rollout_ok(self, handle: SamplerHandle) -> None:
+        """A rollout of ``handle`` completed: its count of failures inside it starts again,
+        and a sampler on probation (refused before) is ready as any other."""
+        self.report_ok(handle)
+        with self._lock:
+            handle.internal_failures = 0
+            if self._probation.pop(handle.address, None) is not None:
+                log.info("sampler refused before completed a rollout: ready again",
+                         extra={"address": handle.address})
+        self.unready_s()
+
+    # -- the wait for a usable sampler ----------------------------------------------------
+
+    def unready_s(self) -> float:
+        """Seconds since a sampler was last ready to take work (0 while one is). A sampler
+        on probation is not ready until a rollout of it completes."""
+        with self._lock:
+            now = time.monotonic()
+            if any(h.state == READY and h.address not in self._probation
+                   for h in self._samplers.values()):
+                self._ready_at = now
+            return now - self._ready_at
+
+    def check_usable(self) -> None:
+        """Raise :class:`NoUsableSampler` once no sampler has been ready for
+        ``services.sampler_wait_s``; a waiting run loop calls it on every poll."""
+        waited = self.unready_s()
+        if waited > self._cfg.sampler_wait_s:
+            raise NoUsableSampler(waited, self.not_ready())
+
+    def not_ready(self) -> dict[str, str]:
+        """Why each sampler the pool knows of, refused or dropped cannot take work."""
+        with self._lock:
+            out = {a: f"dropped: {why}" for a, (_, why) in self._dropped.items()}
+            out.update((a, f"refused: {why}") for a, (_, why) in self._refused.items())
+            for h in self._samplers.values():
+                if h.address in self._probation:
+                    why = (f"refused: {self._probation[h.address]}; taken back, no rollout "
+                           f"of it has completed since")
+                elif h.state == NEW:
+                    why = f"has not answered a probe ({h.last_error or 'never reached'})"
+                elif h.state == SYNCING:
+                    why = "receiving the trainer's weights"
+                elif h.state == SUSPECT:
+                    why = f"its last call failed: {h.last_error}"
+                else:
+                    continue
+                out[h.address] = why
+            return out
 
     # -- probing --------------------------------------------------------------------------
 
@@ -281,6 +364,8 @@ class SamplerPool:
         try:
             info = handle.stub.GetInfo(sampler_pb2.GetInfoRequest(), timeout=5.0)
         except grpc.RpcError as e:
+            with self._lock:
+                handle.last_error = f"GetInfo: {e.code().name}"
             if time.monotonic() - handle.last_ok > self._cfg.sampler_timeout_s:
                 self.remove(handle, f"unreachable for {self._cfg.sampler_timeout_s:.0f}s: "
                                     f"{e.code().name}")
@@ -350,7 +435,7 @@ class SamplerPool:
         for address, source in candidates:
             # A configured address that was dropped or refused is tried again after a
             # back-off (it may be restarted, or replaced); registration re-adds at once.
-            dropped = self._dropped.get(address)
+            dropped = self._dropped.get(address, (None,))[0]
             refused = self._refused.get(address, (None,))[0]
             if address in self._aliases:
                 continue
@@ -359,6 +444,7 @@ class SamplerPool:
                 self.add(address, source)
         for handle in self.all():
             self._probe(handle)
+        self.unready_s()  # the clock sees every refresh, not only the waits that ask it
 
     def behind(self, handle: SamplerHandle, required_version: int) -> None:
         """The sampler refused a request needing ``required_version``: it lost our weights
@@ -376,6 +462,7 @@ class SamplerPool:
             handle.weights_id = weights_id
             if handle.state in (SYNCING, NEW, SUSPECT):
                 handle.state = READY
+        self.unready_s()
 
     def weights_unknown(self, handle: SamplerHandle) -> None:
         """A push failed: the sampler may or may not have applied it, so no delta is computed
@@ -384,7 +471,11 @@ class SamplerPool:
             handle.weights_id = ""
 
     def start(self, interval_s: float | None = None) -> None:
+        """Refresh every ``interval_s`` (``services.heartbeat_s``) in the background; the
+        wait for a usable sampler counts from here."""
         interval = interval_s or self._cfg.heartbeat_s
+        with self._lock:
+            self._ready_at = time.monotonic()
 
         def loop():
             while not self._stop.is_set():

@@ -45,6 +45,7 @@ import itertools
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitrl.v1 import common_pb2
@@ -171,13 +172,15 @@ class RolloutQueue:
             self._cond.notify_all()
 
     def take(self, lane: str, n: int, *, stop: threading.Event | None = None,
-             timeout_s: float | None = None) -> Taken:
+             timeout_s: float | None = None,
+             check: Callable[[], None] | None = None) -> Taken:
         """The ``n`` buffered groups of ``lane`` earliest in draw order, once there are that
         many; or the shortfall: ``n`` minus the groups buffered and the items still queued or
         in flight (items were filtered or dropped), as soon as it is known, or in a
         reproducible lane once nothing is queued or in flight (see the module). Raises
         InterruptedError when ``stop`` is set or the queue is closed, TimeoutError after
-        ``timeout_s``."""
+        ``timeout_s``; ``check`` runs on every poll while waiting and may raise to give up
+        (no sampler left to generate). The items stay here whatever is raised."""
         if n < 1:
             raise ValueError(f"take: n must be >= 1, got {n}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -198,6 +201,8 @@ class RolloutQueue:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"waited {timeout_s:.0f}s for {n} {lane} groups, "
                                        f"have {len(buffered)}")
+                if check is not None:
+                    check()
                 self._cond.wait(timeout=0.5)
 
     def unfinished(self, lane: str = TRAIN) -> list[WorkItem]:
