@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from splitrl import compile_lock
+
 if TYPE_CHECKING:  # jax is imported where it is used: the launch estimate needs none of it
     import jax
 
@@ -89,20 +91,13 @@ class OutOfMemory(Exception):
 
 def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
     """Compiles `lowered`; raises OutOfMemory when the compiler finds it cannot fit."""
-    import jax
-
     kernels = tuple(sorted(set(_KERNEL_NAME.findall(lowered.as_text()))))
     start = time.perf_counter()
-    # Not through the persistent compilation cache: a TPU executable from libtpu's
-    # compile-only client can be written there but not read back ("PjRtCompiler must be
-    # constructed with a Client"), and a plan's executables are never run anyway. jax decides
-    # once per process whether the cache is used, so this holds where the plan compiles first
-    # (`splitrl plan`); in a process that compiled with the cache before (a test session) jax
-    # warns on such an entry and compiles.
-    cached = jax.config.jax_enable_compilation_cache  # type: ignore[attr-defined]  # set at runtime
-    jax.config.update("jax_enable_compilation_cache", False)
     try:
-        compiled = lowered.compile()
+        # Not through the persistent compilation cache: a plan's executables are measured,
+        # never run, and a TPU one cannot be read back from it (see splitrl.compile_lock).
+        with compile_lock.without_cache():
+            compiled = lowered.compile()
     except Exception as e:  # XlaRuntimeError; its type moved between jax versions
         text = str(e)
         if "RESOURCE_EXHAUSTED" not in text and "Ran out of memory" not in text:
@@ -111,8 +106,6 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> ProgramMemory:
         needed = int(float(used.group(1)) * _UNITS[used.group(2)]) if used else None
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         raise OutOfMemory(f"{name}: {first[:300]}", needed) from e
-    finally:
-        jax.config.update("jax_enable_compilation_cache", cached)
     seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     if stats is None:
