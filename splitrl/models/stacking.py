@@ -109,7 +109,7 @@ def layer_views(stacked, num_layers: int) -> list:
     is not (it is copied before every matmul that reads it), without holding the weights
     twice. Off CPU, or with the layer axis sharded, each layer is sliced (a copy).
     ``jax.ShapeDtypeStruct`` leaves (a plan's abstract weights) give one layer's struct."""
-    def apart(x):
+    def apart(path, x):
         layout = _layer_sharding(x)
         if isinstance(x, jax.ShapeDtypeStruct):
             return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=layout)] * num_layers
@@ -117,14 +117,33 @@ def layer_views(stacked, num_layers: int) -> list:
         if layout is None or not cpu:
             return [x[i] for i in range(num_layers)]
         shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
+        _check_shards(jax.tree_util.keystr(path), x, [d for d, _ in shards], layout)
         return [jax.make_array_from_single_device_arrays(
                     x.shape[1:], layout, [jax.device_put(host[i], device)
                                           for device, host in shards])
                 for i in range(num_layers)]
 
-    leaves, treedef = jax.tree.flatten(stacked)
-    per_leaf = [apart(x) for x in leaves]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
+    per_leaf = [apart(path, x) for path, x in leaves]
     return [jax.tree.unflatten(treedef, [p[i] for p in per_leaf]) for i in range(num_layers)]
+
+
+def _check_shards(name: str, x: jax.Array, devices: list, layout) -> None:
+    """A ValueError naming the parameter, its sharding and both sets of devices when the
+    stacked array's shards are not one per device its layer's sharding addresses (which
+    ``make_array_from_single_device_arrays`` would refuse saying only how many it expected).
+    A sampler once failed so on every generation step from one weight version on, with only
+    "Expected 2 per-device arrays ... got 4" to go by; this names the array and the devices."""
+    wanted = layout.addressable_devices
+    if len(devices) == len(wanted) and set(devices) == wanted:
+        return
+    ids = sorted(d.id for d in devices)
+    raise ValueError(
+        f"layer_views: {name} (shape {tuple(x.shape)}, {x.dtype}) has {len(devices)} "
+        f"shards on devices {ids}, but its sharding {x.sharding} addresses devices "
+        f"{sorted(d.id for d in x.sharding.addressable_devices)} and one layer's, {layout}, "
+        f"{sorted(d.id for d in wanted)}: the array's shards do not match its sharding "
+        f"(committed={x.committed}, backend devices {len(jax.devices())})")
 
 
 def _layer_sharding(x) -> NamedSharding | None:

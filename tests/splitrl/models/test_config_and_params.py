@@ -143,6 +143,23 @@ def test_layer_views_hold_no_copy_and_run_the_scans_forward(tiny_config):
     np.testing.assert_allclose(hidden(views), hidden(None), rtol=1e-6, atol=1e-6)
 
 
+def test_layer_views_of_an_array_not_one_shard_per_device_name_it_and_its_devices():
+    """The sampler once failed on every generation step with only "Expected 2 per-device
+    arrays ... got 4" to go by. That is what an array placed on a mesh listing a device twice
+    gives (4 shards, 2 devices); the error names the parameter, its sharding and the devices
+    of its shards instead."""
+    first, second = jax.devices()[:2]
+    mesh = jax.sharding.Mesh(np.array([first, second, first, second]), ("tensor",))
+    stacked = jax.make_array_from_callback(
+        (3, 4), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        lambda index: np.ones((3, 4), np.float32)[index])
+    with pytest.raises(ValueError, match=(
+            rf"layer_views: \['self_attn'\]\['w'\] \(shape \(3, 4\), float32\) has 4 shards on "
+            rf"devices \[{first.id}, {first.id}, {second.id}, {second.id}\], but its sharding "
+            r"NamedSharding\(mesh=Mesh\('tensor': 4")):
+        models.layer_views({"self_attn": {"w": stacked}}, 3)
+
+
 def test_state_from_hf_rejects_bad_names_and_shapes(tiny_config):
     flat = models.hf_from_state(nnx.state(models.init_random(tiny_config)))
     missing = {k: v for k, v in flat.items() if k != "model.norm.weight"}
