@@ -128,7 +128,8 @@ def layer_views(stacked, num_layers: int) -> list:
     return [jax.tree.unflatten(treedef, [p[i] for p in per_leaf]) for i in range(num_layers)]
 
 
-def _check_shards(name: str, x: jax.Array, devices: list, layout) -> None:
+def _check_shards(name: str, x: jax.Array, devices: list,
+                  layout: jax.sharding.Sharding) -> None:
     """A ValueError naming the parameter, its sharding and both sets of devices when the
     stacked array's shards are not one per device its layer's sharding addresses (which
     ``make_array_from_single_device_arrays`` would refuse saying only how many it expected).
@@ -137,12 +138,14 @@ def _check_shards(name: str, x: jax.Array, devices: list, layout) -> None:
     wanted = layout.addressable_devices
     if len(devices) == len(wanted) and set(devices) == wanted:
         return
-    ids = sorted(d.id for d in devices)
+    def ids(of) -> list[int]:
+        return sorted(d.id for d in of)
+
     raise ValueError(
         f"layer_views: {name} (shape {tuple(x.shape)}, {x.dtype}) has {len(devices)} "
-        f"shards on devices {ids}, but its sharding {x.sharding} addresses devices "
-        f"{sorted(d.id for d in x.sharding.addressable_devices)} and one layer's, {layout}, "
-        f"{sorted(d.id for d in wanted)}: the array's shards do not match its sharding "
+        f"shards on devices {ids(devices)}, but its sharding {x.sharding} addresses devices "
+        f"{ids(x.sharding.addressable_devices)} and one layer's, {layout}, "
+        f"{ids(wanted)}: the array's shards do not match its sharding "
         f"(committed={x.committed}, backend devices {len(jax.devices())})")
 
 
