@@ -58,6 +58,9 @@ def test_a_judge_on_a_second_sampler_scores_a_run_and_its_outage_loses_nothing(
     monkeypatch.setenv("JUDGE_TOKEN", JUDGE_TOKEN)  # the reward service reads the key from it
     http_port = free_port()
     judge = start_judge(arith_model, tmp_path / "judge.yaml", http_port)
+    # 4 prompts x 8 completions a step: the batch shapes of test_storage's and
+    # test_rewards_and_data's runs, whose sampler and train-step programs are then in the
+    # suite's compilation cache (4 x 4 compiled three programs of its own).
     run_dir, steps, per_step = tmp_path / "run", 10, 4
     judges = json.dumps([{
         "name": "judge", "base_url": f"http://127.0.0.1:{http_port}/v1", "model": "judge",
@@ -66,7 +69,7 @@ def test_a_judge_on_a_second_sampler_scores_a_run_and_its_outage_loses_nothing(
         "max_retries": 1, "retry_backoff_s": 0.2, "request_timeout_s": 300,
         "api_key_env": "JUDGE_TOKEN"}])
     cfg = run_config(arith_model, run_dir, f"trainer.steps={steps}",
-                     f"trainer.prompts_per_step={per_step}", "algorithm.group_size=4",
+                     f"trainer.prompts_per_step={per_step}", "algorithm.group_size=8",
                      "trainer.eval_before=false", "trainer.eval_after=false",
                      "reward.workers=1", "services.num_samplers=1",
                      "reward.functions=[{name: exact_answer}, {name: judge, weight: 0.1}]",
