@@ -26,12 +26,14 @@ pytestmark = pytest.mark.slow
 def test_grpo_raises_the_mean_score_of_a_fixed_reward_model(arith_model, tmp_path):
     reward_model = init_model(tmp_path / "tiny-rm", preset="tiny", vocab="arithmetic",
                               score_labels=1, seed=7)
-    # 20 steps: the fewest whose first and last 10 do not overlap.
+    # 20 steps: the fewest whose first and last 10 do not overlap. 4 prompts x 8 completions a
+    # step: the batch shapes of test_storage's and test_rewards_and_data's runs, whose sampler
+    # and train-step programs are then in the suite's compilation cache.
     run_dir, steps = tmp_path / "run", 20
 
     def config(run_dir, steps):
         return run_config(arith_model, run_dir, f"trainer.steps={steps}",
-                          "trainer.prompts_per_step=8", "algorithm.group_size=8",
+                          "trainer.prompts_per_step=4", "algorithm.group_size=8",
                           "trainer.eval_before=false", "trainer.eval_after=false",
                           "reward.workers=1", "services.num_samplers=1",
                           f"reward.models=[{{name: rm, path: '{reward_model}'}}]",
