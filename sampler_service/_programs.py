@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -85,11 +87,41 @@ def served_weights(state, layers_apart: bool):
     """What the programs take as weights (flattened): the model's ``state``, and with
     ``layers_apart`` (`kv_cache.CacheLayout.layers_apart`) each decoder layer's weights as
     arrays of their own, views of the stacked ones on CPU (`splitrl.models.layer_views`: no
-    copy, nothing held twice). Made once per weight version."""
+    copy, nothing held twice). Made once per weight state (`ServedWeights`)."""
     if not layers_apart:
         return state
     stacked = state["model"]["layers"]
     return state, layer_views(stacked, jax.tree.leaves(stacked)[0].shape[0])
+
+
+class ServedWeights:
+    """Each weight state's `served_weights`, flattened, with the `Programs` of its structure:
+    made once per state (a weight version, or a caller's pinned state) and shared by an
+    engine's batches. A batch that starts empty takes its weights from here, and on CPU
+    making the layers' views again (a `device_put` per layer and parameter) and looking the
+    programs up (hashing the graphdef) cost milliseconds of host work per request of a small
+    model, more than the rest of the boundary's host work (bench/README.md, "The sampler's
+    weights served once per version"). An entry lives as long as its state object: it holds
+    the state by a weak reference and goes when the state does, so it never keeps a replaced
+    version's weights alive (the views alias the stacked arrays' memory: nothing is held
+    twice)."""
+
+    def __init__(self, graphdef, layers_apart: bool):
+        self.graphdef, self.layers_apart = graphdef, layers_apart
+        self._entries: dict[int, tuple[weakref.ref, list, Programs]] = {}
+        self._lock = threading.Lock()  # one batch builds a state's entry, the other waits
+
+    def get(self, state) -> tuple[list, Programs]:
+        """(the leaves the programs take, the programs) for ``state``."""
+        with self._lock:
+            entry = self._entries.get(id(state))
+            if entry is None or entry[0]() is not state:
+                leaves, treedef = jax.tree.flatten(served_weights(state, self.layers_apart))
+                entries, key = self._entries, id(state)
+                entry = (weakref.ref(state, lambda _: entries.pop(key, None)), leaves,
+                         programs_for(self.graphdef, treedef, self.layers_apart))
+                entries[key] = entry
+            return entry[1], entry[2]
 
 
 class Programs:

@@ -54,6 +54,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from sampler_service import metrics
+from sampler_service._programs import ServedWeights
 from sampler_service.kv_cache import SlotCache, layout_for
 from sampler_service.paged_cache import PagedCache, PagedLayout, page_bytes, pages_for
 from sampler_service.requests import (
@@ -139,8 +140,9 @@ class GenerationEngine:
                            last_batch_occupancy=0.0,
                            last_tokens_per_second=0.0, peak_active_sequences=0,
                            peak_queued_sequences=0)
+        served = ServedWeights(graphdef, layout.layers_apart)  # one per state, for all batches
         self.schedulers = [Scheduler(
-            graphdef=graphdef, cache=cache, vocab_size=model_config.vocab_size,
+            served=served, cache=cache, vocab_size=model_config.vocab_size,
             eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
             segment_steps=int(segment_steps), prefill_chunk_tokens=int(prefill_chunk_tokens),
             static=batching == "static",

@@ -92,18 +92,18 @@ class _Weights:
     version: int
     state: object
     pinned: bool
-    leaves: list = dataclasses.field(default_factory=list)  # `served_weights`', flattened once
+    leaves: list = dataclasses.field(default_factory=list)  # `ServedWeights.get`'s
     programs: _programs.Programs | None = None
 
 
 class Scheduler:
     """The batch in flight and its admission policy; see the module docstring."""
 
-    def __init__(self, *, graphdef, cache: SlotCache | PagedCache, vocab_size: int, eos_token_ids,
-                 pad_token_id: int, segment_steps: int, prefill_chunk_tokens: int, static: bool,
-                 update_in_flight: bool, weight_source, stats: dict,
-                 stats_lock: threading.Lock):
-        self.graphdef = graphdef
+    def __init__(self, *, served: _programs.ServedWeights, cache: SlotCache | PagedCache,
+                 vocab_size: int, eos_token_ids, pad_token_id: int, segment_steps: int,
+                 prefill_chunk_tokens: int, static: bool, update_in_flight: bool, weight_source,
+                 stats: dict, stats_lock: threading.Lock):
+        self.served = served  # the weights as the programs take them, per state
         self.cache = cache
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -242,10 +242,7 @@ class Scheduler:
             self.stats["weight_swaps_in_flight"] += 1
 
     def _adopt(self, weights: _Weights) -> None:
-        apart = self.cache.layout.layers_apart
-        leaves, treedef = jax.tree.flatten(_programs.served_weights(weights.state, apart))
-        weights.leaves = leaves
-        weights.programs = _programs.programs_for(self.graphdef, treedef, apart)
+        weights.leaves, weights.programs = self.served.get(weights.state)
         self.weights = weights
 
     def _weights_for(self, request: GenerationRequest, batch_empty: bool) -> _Weights | None:

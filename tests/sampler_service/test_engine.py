@@ -8,11 +8,13 @@ Programs are shared between tests (same buckets) to keep compilation to a handfu
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import jax
@@ -175,6 +177,25 @@ def test_same_seed_reproduces_regardless_of_batching(setup):
         for x, y in zip(sa, sc, strict=True):
             assert x.token_ids == y.token_ids
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_a_weight_state_is_served_once_and_let_go_with_it(setup):
+    """The engine's batches take a weight state's leaves as the programs read them (on CPU
+    each layer's views) from one entry made on first use, not again per request; a state its
+    owner drops (a replaced weight version) takes its entry with it, holding nothing alive."""
+    model, _, engine, state = setup
+    served = engine.scheduler.served
+    assert all(s.served is served for s in engine.schedulers)
+    leaves, programs = served.get(state)
+    engine.generate(state, PROMPTS[:1], SAMPLED)
+    assert served.get(state)[0] is leaves and served.get(state)[1] is programs
+    newer = engine.place_state(nnx.state(model))  # another version's state object
+    newer_leaves = served.get(newer)[0]
+    assert newer_leaves is not leaves and served.get(newer)[0] is newer_leaves
+    last_view = weakref.ref(newer_leaves[-1])  # a layer's parameter, apart (CPU)
+    del newer, newer_leaves
+    gc.collect()
+    assert last_view() is None
 
 
 def test_chunked_prefill_gives_the_same_tokens_as_one_prefill(setup):
