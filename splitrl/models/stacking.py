@@ -108,23 +108,29 @@ def layer_views(stacked, num_layers: int) -> list:
     read each layer's weights as a whole buffer of its own, which a slice inside a program
     is not (it is copied before every matmul that reads it), without holding the weights
     twice. Off CPU, or with the layer axis sharded, each layer is sliced (a copy).
-    ``jax.ShapeDtypeStruct`` leaves (a plan's abstract weights) give one layer's struct."""
-    def apart(path, x):
+    ``jax.ShapeDtypeStruct`` leaves (a plan's abstract weights) give one layer's struct.
+
+    The CPU views of every parameter and layer are placed by one batched `jax.device_put`:
+    one call per view cost several times as much host work, paid once per weight version on
+    the sampler (bench/README.md, "The sampler's weights served once per version")."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
+    per_leaf: list = [None] * len(leaves)
+    hosts, devices, views = [], [], []  # the CPU views' host memory, their devices, their leaf
+    for j, (path, x) in enumerate(leaves):
         layout = _layer_sharding(x)
         if isinstance(x, jax.ShapeDtypeStruct):
-            return [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=layout)] * num_layers
-        cpu = all(d.platform == "cpu" for d in x.sharding.device_set)
-        if layout is None or not cpu:
-            return [x[i] for i in range(num_layers)]
-        shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
-        _check_shards(jax.tree_util.keystr(path), x, [d for d, _ in shards], layout)
-        return [jax.make_array_from_single_device_arrays(
-                    x.shape[1:], layout, [jax.device_put(host[i], device)
-                                          for device, host in shards])
-                for i in range(num_layers)]
-
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(stacked)
-    per_leaf = [apart(path, x) for path, x in leaves]
+            per_leaf[j] = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=layout)] * num_layers
+        elif layout is None or not all(d.platform == "cpu" for d in x.sharding.device_set):
+            per_leaf[j] = [x[i] for i in range(num_layers)]
+        else:
+            shards = [(s.device, np.asarray(s.data)) for s in x.addressable_shards]
+            _check_shards(jax.tree_util.keystr(path), x, [d for d, _ in shards], layout)
+            hosts.append([[host[i] for _, host in shards] for i in range(num_layers)])
+            devices.append([[device for device, _ in shards]] * num_layers)
+            views.append((j, x.shape[1:], layout))
+    for (j, shape, layout), layers in zip(views, jax.device_put(hosts, devices), strict=True):
+        per_leaf[j] = [jax.make_array_from_single_device_arrays(shape, layout, shards)
+                       for shards in layers]
     return [jax.tree.unflatten(treedef, [p[i] for p in per_leaf]) for i in range(num_layers)]
 
 
