@@ -16,6 +16,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Eight emulated CPU devices for the whole test process, so mesh and sharding tests run
 # in-process; tests that need another count start a subprocess with their own XLA_FLAGS.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA with most of its optimizations off (JAX's `jax_disable_most_optimizations`: XLA:CPU's
+# backend optimization level 0, none of LLVM's expensive passes) for the test processes and
+# every process they start: the suite compiles far more programs than it runs steps of any
+# one, and a program compiles in less CPU so, for slower code (bench/README.md, "The suite's
+# compiles shared between processes"). `make demo` and users' services keep XLA's defaults.
+# The setting is part of a program's key in the compilation cache.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # One OpenMP thread per test process (torch as the transformers/peft oracle, numpy's BLAS):
 # `make test` runs one xdist worker per core, and an OpenMP pool of one thread per core in
 # each worker oversubscribes the cores, where its idle threads spin-wait and burn CPU that
