@@ -128,12 +128,12 @@ class Programs:
     """`prefill` and `decode` compiled for one model structure.
 
     Weights are passed as the flat list of the leaves of `served_weights`
-    (``jax.tree.flatten(...)[0]``, made once per weight version) and the model is rebuilt
-    inside from the static graphdef and tree structure: hashing a graphdef and flattening an
-    `nnx.State` cost milliseconds per call, which a decode segment of a small model cannot
-    afford. ``layers_apart``: the leaves hold each layer's weights apart too, and the
-    programs run the layers over those. Get one with `programs_for`, so engines of the same
-    model share compiled programs.
+    (``jax.tree.flatten(...)[0]``, made once per weight state by `ServedWeights`) and the
+    model is rebuilt inside from the static graphdef and tree structure: hashing a graphdef
+    and flattening an `nnx.State` cost milliseconds per call, which a decode segment of a
+    small model cannot afford. ``layers_apart``: the leaves hold each layer's weights apart
+    too, and the programs run the layers over those. Get one with `programs_for`, so engines
+    of the same model share compiled programs.
     """
 
     def __init__(self, graphdef, treedef, layers_apart: bool = False):
