@@ -1,5 +1,8 @@
 """Checkpoints: exact resume (same process and a new process), retention, other layouts."""
 
+import asyncio
+import gc
+import logging
 import os
 import subprocess
 import sys
@@ -92,3 +95,27 @@ def test_restoring_a_missing_checkpoint_says_where_it_looked(tmp_path):
             ckpt.restore({})
         with pytest.raises(FileNotFoundError, match="step 3"):
             ckpt.restore({}, step=3)
+
+
+def _unretrieved_task_failure(module: str) -> None:
+    """A task whose coroutine is defined in ``module`` fails and is collected unawaited, as
+    the other writes of a save do once orbax has awaited the first failure: asyncio logs
+    "Task exception was never retrieved" for it."""
+    namespace = {"__name__": module}
+    exec("async def write():\n    raise OSError(28, 'No space left on device')", namespace)
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(namespace["write"]())
+    loop.run_until_complete(asyncio.wait([task]))  # done; its exception never retrieved
+    del task
+    gc.collect()
+    loop.close()
+
+
+def test_orbax_writes_failing_unawaited_are_warnings_and_other_tasks_stay_errors(tmp_path,
+                                                                                 caplog):
+    Checkpointer(tmp_path / "checkpoints")
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        _unretrieved_task_failure("orbax.checkpoint._src.serialization.serialization")
+        _unretrieved_task_failure("trainer_service.something_of_ours")
+    unretrieved = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert [r.levelname for r in unretrieved] == ["WARNING", "ERROR"]

@@ -119,7 +119,30 @@ class _OrbaxErrorsAsWarnings(logging.Filter):
         return True
 
 
+class _OrbaxTaskErrorsAsWarnings(_OrbaxErrorsAsWarnings):
+    """The same for asyncio's "Task exception was never retrieved": when several of a save's
+    writes fail at once (a full disk), orbax awaits the first failure and asyncio logs each
+    other one as its task is collected, at error level. Only records whose exception was raised
+    in orbax's code are demoted; any other task's error stays an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _raised_in_orbax(record.exc_info):
+            return super().filter(record)
+        return True
+
+
+def _raised_in_orbax(exc_info) -> bool:
+    """Whether the traceback of a log record's exception passes through an ``orbax`` module."""
+    tb = exc_info[2] if exc_info else None
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("orbax."):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 _ORBAX_FILTER = _OrbaxErrorsAsWarnings()
+_ORBAX_TASK_FILTER = _OrbaxTaskErrorsAsWarnings()
 
 
 @dataclasses.dataclass
@@ -156,6 +179,7 @@ class Checkpointer:
         )
         self._unchecked: int | None = None  # a save started and not yet known to be on disk
         logging.getLogger("absl").addFilter(_ORBAX_FILTER)  # once: filters are a set
+        logging.getLogger("asyncio").addFilter(_ORBAX_TASK_FILTER)
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, run_dir: str | os.PathLike) -> Checkpointer:
