@@ -209,6 +209,19 @@ def test_a_reward_outage_pauses_dispatch_without_blaming_the_sampler(samplers):
     assert len(sampler.requests) == 3  # two refused, then one that scored: no tight loop
 
 
+def _fail_until_refused(broken, handle, pool, *, heartbeats: bool) -> None:
+    """The broken sampler's rollouts fail inside it, three in a row; after each a probe makes
+    it ready again (with ``heartbeats``, a heartbeat comes first: alive, which says nothing of
+    its engine), until the third failure has it refused."""
+    for failed in range(1, 4):
+        _wait(lambda n=failed: len(broken.requests) == n and handle.state != READY,
+              f"rollout {failed} to fail")
+        if heartbeats:
+            pool.report_ok(handle)
+        pool.refresh()  # the probe succeeds: ready again, until the third failure
+    _wait(lambda: pool.all() == [], "the broken sampler to be refused")
+
+
 def test_a_sampler_failing_every_rollout_inside_is_refused_and_its_prompts_kept(samplers):
     # It answers probes, so each probe made it ready again for the next prompts to fail: the
     # run waited for groups that never came. After sampler_max_internal_failures in a row it
@@ -221,11 +234,7 @@ def test_a_sampler_failing_every_rollout_inside_is_refused_and_its_prompts_kept(
     dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
     dispatcher.start()
     try:
-        for failed in range(1, 4):
-            _wait(lambda n=failed: len(broken.requests) == n and handle.state != READY,
-                  f"rollout {failed} to fail")
-            pool.refresh()  # the probe succeeds: ready again, until the third failure
-        _wait(lambda: pool.all() == [], "the broken sampler to be refused")
+        _fail_until_refused(broken, handle, pool, heartbeats=False)
     finally:
         dispatcher.stop()
         pool.stop()
@@ -253,12 +262,7 @@ def test_a_run_whose_only_sampler_keeps_failing_inside_stops_waiting_naming_it(s
     dispatcher = Dispatcher(pool, queue, rollout_timeout_s=ROLLOUT_TIMEOUT_S)
     dispatcher.start()
     try:
-        for failed in range(1, 4):
-            _wait(lambda n=failed: len(broken.requests) == n and handle.state != READY,
-                  f"rollout {failed} to fail")
-            pool.report_ok(handle)  # a heartbeat: alive, which says nothing of its engine
-            pool.refresh()  # the probe succeeds: ready again, until the third failure
-        _wait(lambda: pool.all() == [], "the broken sampler to be refused")
+        _fail_until_refused(broken, handle, pool, heartbeats=True)
         _wait(lambda: (pool.refresh(), pool.all())[1], "its address to be tried again")
         pool.mark_ready(pool.all()[0], 0)  # the join push succeeds: it takes pushes
         assert pool.unready_s() > 0  # ready by its state, not to the wait
