@@ -136,13 +136,13 @@ class _Worker:
         self.conn.close()
 
 
-
 def _by_worker(states: Iterable[tuple[str, _Episode | None]]) -> dict[int, list[str]]:
     """Episodes by the index of the worker each lives on (-1: unknown), in order."""
     groups: dict[int, list[str]] = {}
     for episode, state in states:
         groups.setdefault(-1 if state is None else state.worker, []).append(episode)
     return groups
+
 
 class ToolRunner:
     """See the module docstring. Thread-safe: episodes are driven from many threads."""

@@ -187,7 +187,6 @@ def test_a_join_push_in_progress_does_not_delay_detecting_a_dead_sampler():
         joining.stop()
 
 
-
 def test_a_trainer_whose_every_sampler_is_refused_stops_after_sampler_wait_s(arith_model,
                                                                             tmp_path):
     """A real trainer process whose only sampler serves another model: it does not wait

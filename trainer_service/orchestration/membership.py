@@ -317,19 +317,25 @@ class SamplerPool:
             if self._probation.pop(handle.address, None) is not None:
                 log.info("sampler refused before completed a rollout: ready again",
                          extra={"address": handle.address})
-        self.unready_s()
+        self._see_ready()
 
     # -- the wait for a usable sampler ----------------------------------------------------
 
     def unready_s(self) -> float:
-        """Seconds since a sampler was last ready to take work (0 while one is). A sampler
-        on probation is not ready until a rollout of it completes."""
+        """Seconds since a sampler was last ready to take work (0 while one is)."""
+        with self._lock:
+            return self._see_ready() - self._ready_at
+
+    def _see_ready(self) -> float:
+        """Restart the wait's clock if a sampler is ready now (one on probation is not,
+        until a rollout of it completes); returns now. Called wherever readiness may have
+        changed, so the clock does not depend on a wait asking."""
         with self._lock:
             now = time.monotonic()
             if any(h.state == READY and h.address not in self._probation
                    for h in self._samplers.values()):
                 self._ready_at = now
-            return now - self._ready_at
+            return now
 
     def check_usable(self) -> None:
         """Raise :class:`NoUsableSampler` once no sampler has been ready for
@@ -444,7 +450,7 @@ class SamplerPool:
                 self.add(address, source)
         for handle in self.all():
             self._probe(handle)
-        self.unready_s()  # the clock sees every refresh, not only the waits that ask it
+        self._see_ready()
 
     def behind(self, handle: SamplerHandle, required_version: int) -> None:
         """The sampler refused a request needing ``required_version``: it lost our weights
@@ -462,7 +468,7 @@ class SamplerPool:
             handle.weights_id = weights_id
             if handle.state in (SYNCING, NEW, SUSPECT):
                 handle.state = READY
-        self.unready_s()
+        self._see_ready()
 
     def weights_unknown(self, handle: SamplerHandle) -> None:
         """A push failed: the sampler may or may not have applied it, so no delta is computed
