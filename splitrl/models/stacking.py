@@ -139,8 +139,9 @@ def _check_shards(name: str, x: jax.Array, devices: list,
     """A ValueError naming the parameter, its sharding and both sets of devices when the
     stacked array's shards are not one per device its layer's sharding addresses (which
     ``make_array_from_single_device_arrays`` would refuse saying only how many it expected).
-    A sampler once failed so on every generation step from one weight version on, with only
-    "Expected 2 per-device arrays ... got 4" to go by; this names the array and the devices."""
+    A sampler once failed so on every generation step from one weight version on (two threads
+    had built an array's shard list at once), with only "Expected 2 per-device arrays ... got
+    4" to go by; this names the array and the devices."""
     wanted = layout.addressable_devices
     if len(devices) == len(wanted) and set(devices) == wanted:
         return

@@ -1,4 +1,5 @@
-"""WeightStore: verified, staged, atomic weight intake (in-process, one device)."""
+"""WeightStore: verified, staged, atomic weight intake (in-process, one device unless a test
+says otherwise)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,45 @@ def test_push_swaps_in_bitwise_equal_weights_with_the_stores_shardings(store, co
     assert store.digests() == {n: wire.array_digest(a) for n, a in params.items()}
     # The snapshot taken before the push still holds the old weights.
     assert hf_from_state(old_state)["model.norm.weight"] is not flat["model.norm.weight"]
+
+
+def _shards_read_with_a_second_reader_inside(array: jax.Array) -> int:
+    """How many shards ``array`` has after a read of them during which a second reader of the
+    same array runs, started by a garbage collection inside the first read (a gen-0
+    collection at every allocation): what a thread switch at that point does, every time."""
+    ran: list[bool] = []
+
+    def second_reader(phase, _info):
+        if phase == "start" and not ran:
+            ran.append(True)
+            len(array.addressable_shards)
+
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(second_reader)
+    gc.set_threshold(1)
+    try:
+        len(array.addressable_shards)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(second_reader)
+    return len(array.addressable_shards)
+
+
+def test_served_arrays_keep_one_shard_per_device_when_two_readers_meet(config, initial_state):
+    """jaxlib builds an array's list of per-device arrays on the first read of its shards,
+    unguarded: a second reader running in the middle of that build adds every device's buffer
+    again. A sampler's two batches once made the layer views of a just-pushed state at once
+    and failed with "has 4 shards on devices [0, 0, 1, 1]" until the next push. The store
+    builds the lists before any other thread can read its arrays, at start and at each swap."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
+    store = WeightStore.from_state(config, initial_state, mesh, strategy="tp",
+                                   max_chunk_bytes=MAX_CHUNK)
+    states = [store.snapshot()[1]]
+    store.apply_push(iter(_messages(_new_params(config), 0, reset=True)))
+    states.append(store.snapshot()[1])
+    for state in states:
+        for name, array in hf_from_state(state).items():
+            assert _shards_read_with_a_second_reader_inside(array) == 2, name
 
 
 def test_every_failure_leaves_the_old_weights_serving(store, config):

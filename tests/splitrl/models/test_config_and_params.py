@@ -145,9 +145,10 @@ def test_layer_views_hold_no_copy_and_run_the_scans_forward(tiny_config):
 
 def test_layer_views_of_an_array_not_one_shard_per_device_name_it_and_its_devices():
     """The sampler once failed on every generation step with only "Expected 2 per-device
-    arrays ... got 4" to go by. That is what an array placed on a mesh listing a device twice
-    gives (4 shards, 2 devices); the error names the parameter, its sharding and the devices
-    of its shards instead."""
+    arrays ... got 4" to go by (two threads had built a served array's shard list at once,
+    see the sampler's WeightStore). An array placed on a mesh listing a device twice has such
+    shards too (4 shards, 2 devices); the error names the parameter, its sharding and the
+    devices of its shards instead."""
     first, second = jax.devices()[:2]
     mesh = jax.sharding.Mesh(np.array([first, second, first, second]), ("tensor",))
     stacked = jax.make_array_from_callback(
