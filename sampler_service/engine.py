@@ -225,6 +225,31 @@ class GenerationEngine:
         placed = {k: jax.device_put(v, shardings[k]) for k, v in flat.items()}
         return state_from_hf(self.config, placed)
 
+    def serve_ahead(self) -> threading.Thread | None:
+        """Make the newest weights' served form (`ServedWeights`: on CPU every layer's views
+        of the stacked weights, and the programs looked up) now, on a thread of its own,
+        instead of when the next batch starts. A push's transport calls this once it has
+        answered the trainer: the work then overlaps the trainer's way to its next request
+        rather than sitting between that request's arrival and its first prefill, where both
+        of a synchronous step's requests waited for it (bench/README.md, "The view build off
+        the step's path"). A batch that starts meanwhile waits for it under the entry's lock,
+        as the second batch of a version always did. Returns the thread making it (None
+        without a weight source: an engine of pinned weights only)."""
+        source = self.scheduler.weight_source
+        if source is None:
+            return None
+
+        def build() -> None:
+            try:
+                self.scheduler.served.get(source()[1])
+            except Exception as e:  # the next batch makes it again, and fails as it would have
+                log.warning("the pushed weights could not be prepared for serving ahead of "
+                            "the next batch", extra={"error": repr(e)})
+
+        thread = threading.Thread(target=build, name="serve-ahead", daemon=True)
+        thread.start()
+        return thread
+
     # ------------------------------------------------------------------ requests
 
     def submit(self, prompts: Sequence[Sequence[int]], options: SamplingOptions, n: int = 1, *,

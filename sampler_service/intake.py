@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -77,8 +78,12 @@ class BulkIntake:
     """Serves pushes for one :class:`WeightStore` on the data plane (``handle`` per connection)."""
 
     def __init__(self, store: WeightStore, *, auth: AuthConfig | None, idle_timeout_s: float,
-                 sampler_id: str = "", data_address: str = ""):
+                 sampler_id: str = "", data_address: str = "",
+                 after_swap: Callable[[], object] = lambda: None):
+        """``after_swap``: called once a push that swapped new weights in has been answered
+        (`GenerationEngine.serve_ahead`)."""
         self.store = store
+        self.after_swap = after_swap
         self.auth = auth
         self.guard = CallGuard(auth)
         self.idle_timeout_s = idle_timeout_s
@@ -216,6 +221,8 @@ class BulkIntake:
                                                              outcomes=[mine, *downstream]))
             except PeerGone:
                 pass
+            if result is not None:
+                self.after_swap()
         finally:
             if session is not None:
                 session.close()

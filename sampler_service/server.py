@@ -138,6 +138,9 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"weight push failed: {e!r}; the "
                           f"serving weights (version {self.weights.version}) are unchanged")
         record_push(result, grpc.StatusCode.OK)
+        # The reply goes when this returns: the served form of the new weights is made
+        # meanwhile (on the data plane, once the final report is sent).
+        self.worker.engine.serve_ahead()
         return sampler_pb2.PushWeightsReply(version=result.version,
                                             bytes_received=result.bytes_received,
                                             seconds=result.seconds,
@@ -322,7 +325,7 @@ def serve(config: Config) -> tuple[Server, SamplerServicer]:
     if sampler.data_port is not None:
         intake = BulkIntake(weights, auth=config.services.auth,
                             idle_timeout_s=sampler.push_idle_timeout_s,
-                            sampler_id=worker.sampler_id)
+                            sampler_id=worker.sampler_id, after_swap=engine.serve_ahead)
         data = DataServer(f"{config.services.host}:{sampler.data_port}", intake.handle,
                           auth=config.services.auth,
                           idle_timeout_s=sampler.push_idle_timeout_s).start()

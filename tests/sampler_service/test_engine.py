@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sampler_service import _programs
 from sampler_service.engine import GenerationEngine
 from sampler_service.sampling import SamplingOptions
 from splitrl.config import MeshConfig
@@ -196,6 +198,36 @@ def test_a_weight_state_is_served_once_and_let_go_with_it(setup):
     del newer, newer_leaves
     gc.collect()
     assert last_view() is None
+
+
+def test_pushed_weights_are_served_ahead_of_the_next_batch(setup, monkeypatch):
+    """`serve_ahead` (a push's transport calls it once it has answered) makes the newest
+    weights' served form on a thread of its own: the next batch takes it as made instead of
+    making it between the request's arrival and its prefill, and decodes what the same state
+    decodes when served on demand."""
+    model, mesh, _, state = setup
+    made: list[str] = []  # the thread that made each served form
+    make = _programs.served_weights
+
+    def recorded(weights, layers_apart):
+        made.append(threading.current_thread().name)
+        return make(weights, layers_apart)
+
+    monkeypatch.setattr(_programs, "served_weights", recorded)
+    serving = [0, state]
+    engine, _ = make_engine(model, mesh, weights=lambda: tuple(serving))
+    try:
+        pushed = engine.place_state(nnx.state(model))  # a new version's state object
+        serving[:] = [1, pushed]
+        engine.serve_ahead().join(timeout=60)
+        assert made == ["serve-ahead"]
+        (ahead,) = engine.submit(PROMPTS[:1], SAMPLED).result()
+        assert made == ["serve-ahead"]  # the batch found it made
+        (pinned,) = engine.generate(pushed, PROMPTS[:1], SAMPLED, version=1)
+        assert [s.token_ids for s in ahead] == [s.token_ids for s in pinned]
+        assert made == ["serve-ahead"]  # the same state: one served form for both paths
+    finally:
+        engine.close()
 
 
 def test_chunked_prefill_gives_the_same_tokens_as_one_prefill(setup):
