@@ -106,19 +106,6 @@ def _block_bounds(sharding: NamedSharding, shape) -> list[wire.Bounds]:
     return sorted({_bounds(index, shape) for index in indices})
 
 
-def _build_shard_lists(arrays: Iterable[jax.Array]) -> None:
-    """Have jaxlib build each array's list of per-device arrays now, on this thread, before
-    the store lets other threads read the arrays. jaxlib (0.10) builds that list on the first
-    read of an array's shards and does not guard the build: a second reader that runs while
-    it is under way (a thread switch there) adds every device's buffer again, for good. A
-    sampler's two batches once made the layer views of a just-pushed state at once, and its
-    every generation then failed with "has 4 shards on devices [0, 0, 1, 1]" until the next
-    push; a LoRA sampler's warm-up reads the served arrays' shards while the first requests
-    are served. Built here, the list is only ever read after (`layer_views`, the warm-up)."""
-    for array in arrays:
-        _ = array.addressable_shards
-
-
 def _count_nonfinite(array: jax.Array) -> int:
     """For the error message only (a push that is refused anyway)."""
     return sum(int(np.count_nonzero(~np.isfinite(np.asarray(s.data, np.float32))))
@@ -234,7 +221,7 @@ class PushSession:
         if not self._finished:
             raise RuntimeError("swap() before finish()")
         store, header = self.store, self.header
-        _build_shard_lists(self.staged.values())
+        wire.build_shard_lists(self.staged.values())
         state = state_from_hf(store.config, self.staged)
         swap_start = time.perf_counter()
         with store._lock:
@@ -293,7 +280,7 @@ class WeightStore:
         self.shardings = dict(shardings)
         self.max_chunk_bytes = max_chunk_bytes
         flat = hf_from_state(state)
-        _build_shard_lists(flat.values())
+        wire.build_shard_lists(flat.values())
         self.manifest = {n: (wire.dtype_name(a.dtype), tuple(a.shape)) for n, a in flat.items()}
         # The blocks of each tensor the devices hold: a push is assembled in these.
         self.block_bounds = {n: _block_bounds(self.shardings[n], a.shape)

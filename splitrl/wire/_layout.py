@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import product
 from typing import TYPE_CHECKING
@@ -104,6 +104,20 @@ class SenderBlock:
 
     bounds: Bounds
     read: Callable[[], np.ndarray]  # the block as a host array, in the sender's dtype
+
+
+def build_shard_lists(arrays: Iterable) -> None:
+    """Have jaxlib build each ``jax.Array``'s list of per-device arrays now, on this thread,
+    before other threads read the arrays. jaxlib (0.10) builds that list on the first read of
+    an array's shards and does not guard the build: a second reader that runs while it is under
+    way (a thread switch there) adds every device's buffer again, for good, and the array then
+    fails every program it is passed to ("Expected 2 per-device arrays ... got 4"). A sampler's
+    two batches once made the layer views of a just-pushed state at once; a LoRA sampler's
+    warm-up reads the served arrays while requests are served; the trainer's push threads read
+    the same parameters' shards (:func:`sender_blocks`), one thread per group of samplers.
+    Built here, the list is only ever read after."""
+    for array in arrays:
+        getattr(array, "addressable_shards", None)  # host arrays have none
 
 
 def sender_blocks(array) -> list[SenderBlock]:

@@ -53,6 +53,7 @@ from splitrl.v1 import sampler_pb2
 from splitrl.wire import (
     adapter_header,
     adapter_layouts,
+    build_shard_lists,
     iter_push_frames,
     iter_push_messages,
     layouts_from_info,
@@ -198,6 +199,7 @@ class WeightPublisher:
         targets = handles if handles is not None else [
             h for h in self.pool.all() if h.info is not None]
         busy = [] if reset else [h for h in targets if h.push_lock.locked()]
+        build_shard_lists(params.values())  # before the push threads read them at once
         futures = {self._executor.submit(self._push_locked, group, params, version, reset): group
                    for group in self._plan([h for h in targets if h not in busy])}
         results = self._collect(futures, version, patient=reset)
