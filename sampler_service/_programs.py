@@ -296,10 +296,8 @@ def _decode_loop(model, layers, cache, pages, last_token, length, generated, liv
     Row r feeds ``last_token[r]`` at position/slot ``length[r]`` (its tokens so far) and, if
     ``live[r]``, draws its token number ``generated[r]``. A live row stops on a stop id or at
     ``params.max_new`` tokens. The loop ends early when no row is live or ``refill_at`` rows
-    finished, unless a live row is one token from ``params.max_new`` (it ends at the next
-    step: one more step refills its row at the same boundary). ``layers``: each layer's
-    weights apart (the layers run over them, unrolled) or None (the model scans its stacked
-    layers). ``pages``: the rows' page tables of a paged
+    finished. ``layers``: each layer's weights apart (the layers run over them, unrolled) or
+    None (the model scans its stacked layers). ``pages``: the rows' page tables of a paged
     cache, else None. Returns (cache, tokens [R, steps] (-1 where a row drew nothing),
     logprobs [R, steps], produced [R] tokens drawn, stopped [R] ended on a stop id).
     """
@@ -307,12 +305,8 @@ def _decode_loop(model, layers, cache, pages, last_token, length, generated, liv
     keys = _row_keys(params)
 
     def cond(carry):
-        i, _, _, _, generated, live, _, _, _, _, finished = carry
-        # A refill waits one step for the rows that draw their last allowed token in it: they
-        # end then whatever they draw, and refilled at the same boundary they start together
-        # again, where ending now would cost them a boundary of their own one step later.
-        last_token_next = jnp.any(live & (generated == params.max_new - 1))
-        return (i < steps_limit) & jnp.any(live) & ((finished < refill_at) | last_token_next)
+        i, _, _, _, _, live, _, _, _, _, finished = carry
+        return (i < steps_limit) & jnp.any(live) & (finished < refill_at)
 
     def body(carry):
         i, cache, last, length, generated, live, out_tok, out_lp, produced, stopped, finished = (

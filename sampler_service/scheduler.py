@@ -17,8 +17,7 @@ The engine's thread calls `Scheduler.step()` in a loop. One step is one *segment
    chunk is prefilled, so prefill's memory is bounded whatever the batch; a prompt is never
    split, so a chunk holds at least one), then run one decode **segment** of at most
    ``segment_steps`` steps, which ends early once enough rows finished to admit the next
-   waiting prompt (a step later when rows draw their last allowed token in that step, so
-   that they are refilled at the same boundary).
+   waiting prompt.
 
 **Reproducible (exclusive) requests** run alone: admitted only into an empty batch, nothing
 else joins until their last row finishes, and no weight update is applied meanwhile. Every

@@ -98,27 +98,6 @@ def test_greedy_is_the_reference_for_requests_that_join_a_running_batch(setup):
     assert engine.stats["peak_active_sequences"] == 2
 
 
-def test_a_refill_waits_a_step_for_rows_drawing_their_last_token(setup):
-    """a (2 tokens) ends at the segment's first step, which is a refill for the waiting c;
-    b (3 tokens) draws its last token at the next step: the segment takes that step, so both
-    rows are refilled at one boundary instead of b's ending a one-step segment of its own."""
-    model, mesh, state = setup
-    engine, _ = make_engine(model, mesh, max_batch_size=2)
-    pinned = PinnedWeights(0, state)
-    a = queue(engine, [PROMPTS[0]], greedy(2), weights=pinned)
-    b = queue(engine, [PROMPTS[1]], greedy(3), weights=pinned)
-    c = queue(engine, [PROMPTS[2]], greedy(4), weights=pinned)
-    engine.scheduler.step()
-    assert engine.stats["decode_steps"] == 2 and engine.stats["segments"] == 1
-    assert all(row.done for row in engine.scheduler.rows.values())
-    engine.scheduler.step()  # a and b retire; c takes a row
-    assert a.finished and b.finished and c.next_prompt == 1
-    run_until_idle(engine)
-    for request, prompt, k in ((a, PROMPTS[0], 2), (b, PROMPTS[1], 3), (c, PROMPTS[2], 4)):
-        (seq,), = request.result()
-        assert seq.token_ids == greedy_reference(model, prompt, k)
-
-
 def test_seeded_samples_do_not_depend_on_neighbours_or_admission_time(setup):
     model, mesh, state = setup
     pinned = PinnedWeights(3, state)
