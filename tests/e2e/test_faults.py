@@ -110,6 +110,10 @@ def test_a_sampler_killed_a_sampler_joining_and_a_sigterm_resume_lose_no_prompt(
         wait_for(lambda: any(_is(newcomer, s) for r in read_jsonl(trained)
                              for s in r["samplers"]), 300,
                  "a step trained on the new sampler's completions", launcher)
+        # The killed sampler is dropped once unreachable for services.sampler_timeout_s (10 s):
+        # the SIGTERM waits for it, or a run quick to reach the newcomer's work stops first.
+        wait_for(lambda: '"sampler dropped"' in (launcher.log_dir / "trainer.log").read_text(),
+                 120, "the killed sampler to be dropped", launcher)
         # Ctrl-C / SIGTERM: the trainer finishes its step, checkpoints it and exits 0.
         launcher.procs["trainer"].send_signal(signal.SIGTERM)
         assert wait_exit(launcher, "trainer", 120) == 0, tail(launcher.log_dir / "trainer.log")
