@@ -160,8 +160,8 @@ class ToolRunner:
         if start_method == "forkserver":
             # transformers' schema reader too: a replacement worker then starts in milliseconds.
             # The reader imports torch on every call where torch is installed (a tensor type for
-            # its schemas): preloaded, a worker forks with it instead of importing it (~1.5 s of
-            # CPU a worker); where torch is absent the forkserver skips it.
+            # its schemas): preloaded, a worker forks with it instead of importing it at start;
+            # where torch is absent the forkserver skips it.
             modules = ["splitrl.environments._worker", "splitrl.environments.builtin",
                        "transformers.utils.chat_template_utils", "torch"]
             if ":" in name:
