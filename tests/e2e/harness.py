@@ -118,6 +118,16 @@ def log_records(path: Path) -> list[dict]:
     return out
 
 
+def assert_resumed_at(launcher: Launcher, saved: int) -> None:
+    """The launch's last trainer resumed from the checkpoint of step ``saved`` (its step and
+    weight version) and rolled the samplers back to it: a sampler synced to that version."""
+    logs = log_records(launcher.log_dir / "trainer.log")
+    resumed = [r for r in logs if r.get("msg") == "resumed from checkpoint"]
+    assert resumed and resumed[-1]["step"] == saved and resumed[-1]["version"] == saved
+    synced = [r for r in logs if r.get("msg") == "sampler synced" and r.get("ok")]
+    assert {r["version"] for r in synced} >= {saved}
+
+
 def wait_exit(launcher: Launcher, name: str, timeout_s: float) -> int:
     """The exit code of the launcher's service ``name``, as soon as it exits (a blocking wait,
     not a poll: no fraction of a poll interval is lost after the exit)."""

@@ -16,8 +16,6 @@ an evaluation of that plateau before it.
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import numpy as np
 import pytest
@@ -25,7 +23,8 @@ import pytest
 from splitrl_app.launch.supervisor import Launcher
 from tests.e2e.harness import (
     adapter_logits,
-    log_records,
+    assert_resumed_at,
+    kill_service,
     run_config,
     status_step,
     tail,
@@ -51,9 +50,7 @@ def test_lora_grpo_learns_survives_kill_9_and_exports_a_peft_adapter(arith_model
         launcher.up()
         wait_for(lambda: status_step(launcher) >= every + 2, 600, "a step after a checkpoint",
                  launcher)
-        trainer = launcher.procs["trainer"]
-        os.kill(trainer.pid, signal.SIGKILL)
-        trainer.wait()
+        kill_service(launcher, "trainer")
         saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
         assert saved >= every
         launcher.start_trainer()
@@ -61,11 +58,7 @@ def test_lora_grpo_learns_survives_kill_9_and_exports_a_peft_adapter(arith_model
     finally:
         launcher.stop()
 
-    logs = log_records(launcher.log_dir / "trainer.log")
-    resumed = [r for r in logs if r.get("msg") == "resumed from checkpoint"]
-    assert resumed and resumed[-1]["step"] == saved and resumed[-1]["version"] == saved
-    synced = [r for r in logs if r.get("msg") == "sampler synced" and r.get("ok")]
-    assert {r["version"] for r in synced} >= {saved}  # samplers rolled back to its adapters
+    assert_resumed_at(launcher, saved)  # and the samplers rolled back to its adapters
     summary = json.loads((run_dir / "summary.json").read_text())
     curve = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     before = next(r["eval_before/accuracy"] for r in curve if "eval_before/accuracy" in r)
